@@ -1,0 +1,64 @@
+# Thin job names; the work is done by the project's own CLI (`pipeline ...`).
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROFILE ?= profiles/local-cpu.toml
+ARGS ?=
+# GPU host: its own python3 (holds torch); carried wheels under .whl
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/pipeline-site
+
+.PHONY: venv run-cluster test test-slow test-all lint bench-transport bench replay inspect report \
+        test-gpu bench-gpu test-vllm clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# the CPU build of torch lies on this machine's disk; a plain `torch` would pull a CUDA build
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[test,report]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+run-cluster: $(STAMP)
+	$(BIN)/pipeline run --profile $(PROFILE) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not gpu and not multigpu and not vllm" $(ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m "slow and not gpu and not multigpu and not vllm" $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+bench-transport: $(STAMP)
+	$(BIN)/python -m pipeline.bench.transport --json bench/results/transport-cpu.json
+
+bench: bench-transport
+
+inspect: $(STAMP)
+	$(BIN)/pipeline inspect $(ARGS)
+
+replay: $(STAMP)
+	$(BIN)/pipeline replay $(ARGS)
+
+report: $(STAMP)
+	$(BIN)/pipeline report $(ARGS)
+
+# --- GPU host (no venv: that host's python3 holds torch; wheels carried in .whl) ---
+$(GPU_SITE)/.installed:
+	$(GPU_PY) -m pip install -q --no-index --no-deps --target $(GPU_SITE) .whl/*.whl
+	@touch $@
+
+test-gpu: $(GPU_SITE)/.installed
+	PYTHONPATH=$(GPU_SITE):src $(GPU_PY) -m pytest -p no:cacheprovider -m "gpu" $(ARGS)
+
+bench-gpu: $(GPU_SITE)/.installed
+	PYTHONPATH=$(GPU_SITE):src $(GPU_PY) -m pipeline.bench.all_gpu --out bench/results
+
+clean:
+	rm -rf $(VENV) .pytest_cache

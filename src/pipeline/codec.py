@@ -1,0 +1,189 @@
+"""Encoding and validated decoding of wire messages (torch-free).
+
+Decoding is strict: anything malformed, oversized, of an unknown schema version or of a
+type the queue does not carry raises `SchemaMismatch` with a reason; the caller logs it,
+counts it and keeps serving.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pipeline.errors import SchemaMismatch
+from pipeline.messages import MESSAGE_TYPES, SCHEMA_VERSION, Header, MsgType, TensorRef
+
+ALLOWED_DTYPES = frozenset(
+    {"bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64"}
+)
+# bfloat16 has no numpy dtype: it travels as raw uint16 words with this name
+BF16 = "bfloat16"
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(Header)
+_body_encoder = msgspec.msgpack.Encoder()
+_body_decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-channel size limits; a larger frame is refused before it is parsed."""
+
+    max_header_bytes: int = 4096
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_tensor_bytes: int = 4 * 1024 * 1024 * 1024
+    max_frames: int = 65536
+
+
+@dataclass
+class TensorPack:
+    """Collects tensor buffers while a body is built; each `add` returns its `TensorRef`."""
+
+    buffers: list[Any] = field(default_factory=list)
+
+    def add(self, array: np.ndarray, dtype_name: str | None = None) -> TensorRef:
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        name = dtype_name or array.dtype.name
+        if name not in ALLOWED_DTYPES and name != BF16:
+            raise ValueError(f"dtype {name} cannot travel; use one of {sorted(ALLOWED_DTYPES)}")
+        self.buffers.append(array)
+        return TensorRef(
+            dtype=name, shape=tuple(int(d) for d in array.shape), frame=len(self.buffers) + 1
+        )
+
+
+@dataclass
+class Message:
+    """A decoded message: header, typed body, and the raw frames its tensors live in."""
+
+    header: Header
+    body: Any
+    frames: Sequence[Any]
+
+    @property
+    def type(self) -> MsgType:
+        return MsgType(self.header.type)
+
+    def tensor(self, ref: TensorRef) -> np.ndarray:
+        """Zero-copy view of a tensor frame (read-only; copy before writing)."""
+        buf = self.frames[ref.frame]
+        data = memoryview(buf.buffer if hasattr(buf, "buffer") else buf)
+        dtype = np.uint16 if ref.dtype == BF16 else np.dtype(ref.dtype)
+        return np.frombuffer(data, dtype=dtype).reshape(ref.shape)
+
+
+def encode(
+    body: Any, *, run_id: str, sender: str, seq: int, tensors: TensorPack | None = None
+) -> list[Any]:
+    header = Header(
+        version=SCHEMA_VERSION,
+        type=int(body.TYPE),
+        run_id=run_id,
+        sender=sender,
+        seq=seq,
+        sent_at=time.time(),
+    )
+    frames: list[Any] = [_header_encoder.encode(header), _body_encoder.encode(body)]
+    if tensors is not None:
+        frames.extend(tensors.buffers)
+    return frames
+
+
+def _frame_len(frame: Any) -> int:
+    if hasattr(frame, "buffer"):  # zmq.Frame
+        return len(frame.buffer)
+    return len(frame)
+
+
+def _frame_bytes(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def _iter_refs(obj: Any) -> list[TensorRef]:
+    refs: list[TensorRef] = []
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, TensorRef):
+            refs.append(item)
+        elif isinstance(item, msgspec.Struct):
+            stack.extend(getattr(item, f) for f in item.__struct_fields__)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return refs
+
+
+def _check_tensor(ref: TensorRef, frames: Sequence[Any], limits: Limits) -> None:
+    if ref.frame < 2 or ref.frame >= len(frames):
+        raise SchemaMismatch("bad_tensor_ref", f"frame {ref.frame} of {len(frames)}")
+    if ref.dtype not in ALLOWED_DTYPES and ref.dtype != BF16:
+        raise SchemaMismatch("bad_dtype", f"dtype {ref.dtype!r} is not allowed")
+    if any(d < 0 for d in ref.shape):
+        raise SchemaMismatch("bad_shape", f"negative dimension in {ref.shape}")
+    itemsize = 2 if ref.dtype == BF16 else np.dtype(ref.dtype).itemsize
+    expected = int(np.prod(ref.shape, dtype=np.int64)) * itemsize
+    got = _frame_len(frames[ref.frame])
+    if expected != got:
+        raise SchemaMismatch(
+            "bad_tensor_size", f"{ref.dtype}{list(ref.shape)} needs {expected} bytes, got {got}"
+        )
+
+
+def decode(
+    frames: Sequence[Any],
+    *,
+    allowed: frozenset[MsgType] | None = None,
+    limits: Limits = Limits(),
+    run_id: str | None = None,
+) -> Message:
+    """Validate and decode a multipart message; raise `SchemaMismatch` on anything off."""
+    if len(frames) < 2:
+        raise SchemaMismatch("malformed", f"expected >= 2 frames, got {len(frames)}")
+    if len(frames) > limits.max_frames:
+        raise SchemaMismatch("oversized", f"{len(frames)} frames > {limits.max_frames}")
+    if _frame_len(frames[0]) > limits.max_header_bytes:
+        raise SchemaMismatch("oversized", f"header of {_frame_len(frames[0])} bytes")
+    if _frame_len(frames[1]) > limits.max_body_bytes:
+        raise SchemaMismatch(
+            "oversized", f"body of {_frame_len(frames[1])} bytes > {limits.max_body_bytes}"
+        )
+    for frame in frames[2:]:
+        if _frame_len(frame) > limits.max_tensor_bytes:
+            raise SchemaMismatch("oversized", f"tensor frame of {_frame_len(frame)} bytes")
+    try:
+        header = _header_decoder.decode(_frame_bytes(frames[0]))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SchemaMismatch("malformed", f"header: {exc}") from None
+    if header.version != SCHEMA_VERSION:
+        raise SchemaMismatch(
+            "unknown_version",
+            f"schema version {header.version} (this build speaks {SCHEMA_VERSION}); "
+            "run the same pipeline version on every service",
+        )
+    try:
+        msg_type = MsgType(header.type)
+    except ValueError:
+        raise SchemaMismatch("unknown_type", f"type tag {header.type}") from None
+    if allowed is not None and msg_type not in allowed:
+        names = sorted(t.name for t in allowed)
+        raise SchemaMismatch("wrong_type", f"{msg_type.name} on a channel that carries {names}")
+    if run_id is not None and header.run_id and header.run_id != run_id:
+        raise SchemaMismatch("wrong_run", f"run id {header.run_id!r}, expected {run_id!r}")
+    try:
+        body = _body_decoders[msg_type].decode(_frame_bytes(frames[1]))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SchemaMismatch("malformed", f"{msg_type.name} body: {exc}") from None
+    for ref in _iter_refs(body):
+        _check_tensor(ref, frames, limits)
+    return Message(header=header, body=body, frames=frames)
+
+
+class RejectCounter(Counter[str]):
+    """Counts rejected messages by reason (exported as metrics)."""

@@ -1,0 +1,54 @@
+"""Typed errors. Each message says what went wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class ConfigError(PipelineError):
+    """A profile or override is invalid; the message names the key and the fix."""
+
+
+class SchemaMismatch(PipelineError):
+    """A message could not be decoded: malformed, unknown version, wrong type, oversized."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class HandshakeTimeout(PipelineError):
+    """A peer did not complete hello -> config -> ready in time."""
+
+
+class ServiceDeadError(PipelineError):
+    """A peer stopped sending heartbeats or its process exited."""
+
+
+class TransportClosed(PipelineError):
+    """The channel was closed while an operation was waiting on it."""
+
+
+class WeightSyncError(PipelineError):
+    """A weight update failed; the message names the phase and the peer."""
+
+    def __init__(self, phase: str, peer: str, detail: str) -> None:
+        super().__init__(f"weight sync failed in phase {phase!r} with peer {peer!r}: {detail}")
+        self.phase = phase
+        self.peer = peer
+
+
+class MetadataRejected(PipelineError):
+    """Weight-update metadata does not match the receiver's parameters."""
+
+    def __init__(self, problems: dict[str, list[str]]) -> None:
+        lines = [f"{kind}: {', '.join(sorted(names))}" for kind, names in problems.items() if names]
+        super().__init__("weight metadata refused; " + "; ".join(lines))
+        self.problems = problems
+
+
+class RecordingError(PipelineError):
+    """A recorded queue file is truncated, corrupt or of another schema version."""

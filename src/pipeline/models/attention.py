@@ -1,0 +1,82 @@
+"""Grouped-query self-attention with RoPE, optional q/k/v bias and optional q/k RMSNorm.
+
+One module serves every mode (dense causal, padded, packed, KV-cached); the mode travels in an
+`AttentionSpec` so the decoder block has a single forward that FSDP hooks, activation
+checkpointing and torch.compile all wrap the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.config import ModelConfig
+from pipeline.models.kv_cache import KVCache
+from pipeline.models.layers import RMSNorm, apply_rope
+
+
+@dataclass
+class AttentionSpec:
+    """How to attend.
+
+    mask: (b, 1, q, k) bool, True = may attend; None means plain causal (is_causal=True).
+    cache/slots/columns/kv_len: set only on the KV-cache path; columns (b, t) are the cache
+    columns to write (padding already redirected to the sink) and kv_len the columns to read.
+    """
+
+    mask: torch.Tensor | None = None
+    cache: KVCache | None = None
+    slots: torch.Tensor | None = None
+    columns: torch.Tensor | None = None
+    kv_len: int = 0
+
+
+class Attention(nn.Module):
+    """HF-named projections (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, hd = config.hidden_size, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec
+    ) -> torch.Tensor:
+        b, s, _ = x.shape  # (batch, seq, hidden)
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)  # (batch, seq, heads, head_dim)
+        k = apply_rope(k, cos, sin)  # (batch, seq, kv_heads, head_dim)
+        if spec.cache is not None:
+            assert spec.slots is not None and spec.columns is not None
+            k, v = spec.cache.update(self.layer_idx, spec.slots, spec.columns, k, v, spec.kv_len)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # (batch, heads, seq, head_dim)
+            k.transpose(1, 2),  # (batch, kv_heads, kv_seq, head_dim)
+            v.transpose(1, 2),
+            attn_mask=spec.mask,
+            is_causal=spec.mask is None and spec.cache is None,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )  # (batch, heads, seq, head_dim)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))

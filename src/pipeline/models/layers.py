@@ -1,0 +1,111 @@
+"""Small building blocks of the decoder: RMSNorm, rotary embedding, SwiGLU MLP.
+
+The arithmetic (float32 normalisation, cos/sin computed in float32 then cast) follows
+transformers exactly so that native and HF logits agree to float32 round-off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 because bf16 mean-of-squares loses too much precision."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,), float32, with optional llama3/linear scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    assert scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
+    assert scaling.original_max_position_embeddings is not None
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds inv_freq as a non-persistent buffer so checkpoints carry no RoPE tensors."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.theta = config.rope_theta
+        self.scaling = config.rope_scaling
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(self.head_dim, self.theta, self.scaling), persistent=False
+        )
+
+    def reset_parameters(self) -> None:
+        """Recompute inv_freq, e.g. after `to_empty` left it uninitialised."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(
+            self.inv_freq.device
+        )
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (*positions.shape, head_dim); negative positions are treated as 0."""
+        pos = positions.clamp(min=0).float()
+        freqs = pos[..., None] * self.inv_freq.float()  # (..., head_dim // 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (..., head_dim)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (b, s, heads, head_dim); cos/sin: (b, s, head_dim)."""
+    cos = cos.unsqueeze(2)  # (b, s, 1, head_dim)
+    sin = sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP shared by all three families (HF names gate_proj/up_proj/down_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,1 @@
+"""Rule-based rewards: verifiers, a name registry, and an isolated batched scorer."""

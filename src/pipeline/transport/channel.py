@@ -1,0 +1,129 @@
+"""Pieces shared by every channel: typed config, counters, socket set-up, event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import secrets
+import socket
+from collections import Counter
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from pipeline.codec import Limits
+from pipeline.errors import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    """Flow control and liveness settings of one queue."""
+
+    # items a consumer buffers per producer (the credit it grants)
+    prefetch: int = 8
+    # items a producer holds before `send` waits (backpressure to the caller)
+    max_pending: int = 64
+    heartbeat_s: float = 0.5
+    # a peer silent this long is dead: its unacknowledged items go to another consumer
+    peer_timeout_s: float = 5.0
+    limits: Limits = field(default_factory=Limits)
+
+    def validate(self) -> None:
+        if self.prefetch < 1:
+            raise ConfigError("queue prefetch must be >= 1 (set queues.prefetch to e.g. 8)")
+        if self.max_pending < 1:
+            raise ConfigError("queue max_pending must be >= 1")
+        if self.peer_timeout_s <= 2 * self.heartbeat_s:
+            raise ConfigError(
+                f"peer_timeout_s={self.peer_timeout_s} must exceed twice heartbeat_s="
+                f"{self.heartbeat_s}; raise queues.peer_timeout_s"
+            )
+
+
+@dataclass
+class ChannelStats:
+    sent: int = 0
+    received: int = 0
+    acked: int = 0
+    redelivered: int = 0
+    duplicates: int = 0
+    dead_peers: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "sent": self.sent,
+            "received": self.received,
+            "acked": self.acked,
+            "redelivered": self.redelivered,
+            "duplicates": self.duplicates,
+            "dead_peers": self.dead_peers,
+        }
+        out.update({f"rejected.{k}": v for k, v in self.rejected.items()})
+        return out
+
+
+def new_identity(name: str) -> str:
+    """Unique per process incarnation, so a restarted peer is told apart from its ghost."""
+    return f"{name}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def is_loopback(endpoint: str) -> bool:
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def make_socket(ctx: zmq.asyncio.Context, kind: int, identity: str | None = None) -> Any:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    return sock
+
+
+def bind(sock: Any, endpoint: str) -> str:
+    """Bind; `tcp://host:0` picks a free port. Returns the endpoint actually bound."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket file from a dead incarnation
+    sock.bind(endpoint)
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on uvloop (the project's event loop everywhere)."""
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task[Any]], timeout: float = 2.0) -> None:
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)

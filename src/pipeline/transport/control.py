@@ -1,0 +1,276 @@
+"""The control plane: handshake (hello -> config -> ready), heartbeats, step reports.
+
+Small messages only. The controller binds a ROUTER; every service connects a DEALER,
+says hello within a time limit and from then on heartbeats both ways make a dead peer
+visible as a typed error instead of a silent hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pipeline import codec
+from pipeline.errors import HandshakeTimeout, SchemaMismatch, ServiceDeadError
+from pipeline.log import get_logger
+from pipeline.messages import ConfigMsg, Heartbeat, Hello, MsgType, Ready, Shutdown
+from pipeline.transport.channel import (
+    ChannelConfig,
+    ChannelStats,
+    bind,
+    cancel_and_wait,
+    make_socket,
+    new_identity,
+)
+
+_TO_CONTROLLER = frozenset(
+    {
+        MsgType.HELLO,
+        MsgType.READY,
+        MsgType.HEARTBEAT,
+        MsgType.STEP_DONE,
+        MsgType.METRICS,
+        MsgType.ERROR,
+        MsgType.WEIGHT_DONE,
+    }
+)
+_TO_SERVICE = frozenset({MsgType.CONFIG, MsgType.HEARTBEAT, MsgType.SHUTDOWN})
+
+
+@dataclass
+class Peer:
+    identity: bytes
+    hello: Hello
+    ready: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    policy_version: int = -1
+
+    @property
+    def name(self) -> str:
+        return f"{self.hello.service}-{self.hello.replica}"
+
+
+@dataclass
+class PeerEvent:
+    """What the controller's inbox yields besides data messages."""
+
+    kind: str  # "joined" | "ready" | "dead"
+    peer: Peer
+
+
+class ControlServer:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        run_id: str,
+        config_for: Callable[[Hello], ConfigMsg],
+        config: ChannelConfig | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.config = config or ChannelConfig()
+        self.identity = new_identity("controller")
+        self._config_for = config_for
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._sock = make_socket(self._ctx, zmq.ROUTER)
+        self.endpoint = bind(self._sock, endpoint)
+        self.peers: dict[bytes, Peer] = {}
+        self.inbox: asyncio.Queue[tuple[Peer, Any] | PeerEvent] = asyncio.Queue()
+        self.stats = ChannelStats()
+        self._seq = 0
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closed = False
+        self.log = get_logger("control_server")
+
+    def start(self) -> ControlServer:
+        self._tasks = [
+            asyncio.create_task(self._recv_loop()),
+            asyncio.create_task(self._liveness_loop()),
+        ]
+        return self
+
+    async def send(self, peer: Peer, body: Any) -> None:
+        self._seq += 1
+        frames = codec.encode(body, run_id=self.run_id, sender=self.identity, seq=self._seq)
+        try:
+            await self._sock.send_multipart([peer.identity, *frames])
+        except zmq.ZMQError as exc:
+            self.log.warning("send_failed", peer=peer.name, error=str(exc))
+
+    async def broadcast(self, body: Any) -> None:
+        for peer in list(self.peers.values()):
+            await self.send(peer, body)
+
+    def ready_peers(self, service: str | None = None) -> list[Peer]:
+        return [
+            p
+            for p in self.peers.values()
+            if p.ready and (service is None or p.hello.service == service)
+        ]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await cancel_and_wait(self._tasks)
+        self._sock.close(linger=0)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            try:
+                msg = codec.decode(frames[1:], allowed=_TO_CONTROLLER, run_id=None)
+            except SchemaMismatch as exc:
+                self.stats.rejected[exc.reason] += 1
+                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+                continue
+            body = msg.body
+            if isinstance(body, Hello):
+                peer = self.peers[identity] = Peer(identity=identity, hello=body)
+                self.log.info("peer_hello", peer=peer.name, pid=body.pid)
+                await self.send(peer, self._config_for(body))
+                self.inbox.put_nowait(PeerEvent("joined", peer))
+                continue
+            peer = self.peers.get(identity)
+            if peer is None:
+                self.stats.rejected["no_hello"] += 1
+                self.log.error("message_before_hello", type=msg.type.name)
+                continue
+            peer.last_seen = time.monotonic()
+            if isinstance(body, Ready):
+                peer.ready = True
+                self.inbox.put_nowait(PeerEvent("ready", peer))
+            elif isinstance(body, Heartbeat):
+                peer.policy_version = body.policy_version
+                self._seq += 1
+                await self.send(peer, Heartbeat(service="controller"))
+            else:
+                self.stats.received += 1
+                self.inbox.put_nowait((peer, body))
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            now = time.monotonic()
+            for identity, peer in list(self.peers.items()):
+                if now - peer.last_seen > self.config.peer_timeout_s:
+                    del self.peers[identity]
+                    self.stats.dead_peers += 1
+                    self.log.warning(
+                        "peer_dead", peer=peer.name, silent_s=round(now - peer.last_seen, 1)
+                    )
+                    self.inbox.put_nowait(PeerEvent("dead", peer))
+
+
+class ControlClient:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        service: str,
+        replica: int,
+        config: ChannelConfig | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.service = service
+        self.replica = replica
+        self.config = config or ChannelConfig()
+        self.identity = new_identity(f"{service}-{replica}")
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._sock = make_socket(self._ctx, zmq.DEALER, identity=self.identity)
+        self._sock.connect(endpoint)
+        self.run_id = ""
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.shutdown = asyncio.Event()
+        self.controller_dead = asyncio.Event()
+        self.policy_version = -1
+        self._last_seen = time.monotonic()
+        self._seq = 0
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closed = False
+        self.log = get_logger("control_client")
+
+    async def send(self, body: Any) -> None:
+        self._seq += 1
+        frames = codec.encode(body, run_id=self.run_id, sender=self.identity, seq=self._seq)
+        await self._sock.send_multipart(frames)
+
+    async def handshake(self, hello: Hello, timeout_s: float) -> ConfigMsg:
+        """hello -> config -> ready, within `timeout_s`; then heartbeats start."""
+        deadline = time.monotonic() + timeout_s
+        await self.send(hello)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self._sock.poll(timeout=int(left * 1000)):
+                raise HandshakeTimeout(
+                    f"controller at {self.endpoint} did not answer hello within {timeout_s}s; "
+                    "is the controller running and is --controller the right address?"
+                )
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                msg = codec.decode(frames, allowed=_TO_SERVICE)
+            except SchemaMismatch as exc:
+                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+                continue
+            if isinstance(msg.body, ConfigMsg):
+                self.run_id = msg.body.run_id
+                await self.send(Ready(service=self.service, replica=self.replica))
+                self._last_seen = time.monotonic()
+                self._tasks = [
+                    asyncio.create_task(self._recv_loop()),
+                    asyncio.create_task(self._liveness_loop()),
+                ]
+                return msg.body
+
+    def check_alive(self) -> None:
+        if self.controller_dead.is_set():
+            raise ServiceDeadError(
+                f"controller at {self.endpoint} silent for more than {self.config.peer_timeout_s}s"
+            )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await cancel_and_wait(self._tasks)
+        self._sock.close(linger=0)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                msg = codec.decode(frames, allowed=_TO_SERVICE, run_id=self.run_id)
+            except SchemaMismatch as exc:
+                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+                continue
+            self._last_seen = time.monotonic()
+            if self.controller_dead.is_set():
+                self.controller_dead.clear()
+                self.log.info("controller_back")
+            if isinstance(msg.body, Shutdown):
+                self.log.info("shutdown_requested", reason=msg.body.reason)
+                self.shutdown.set()
+            elif not isinstance(msg.body, Heartbeat):
+                self.inbox.put_nowait(msg.body)
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            await self.send(
+                Heartbeat(
+                    service=self.service, replica=self.replica, policy_version=self.policy_version
+                )
+            )
+            silent = time.monotonic() - self._last_seen
+            if silent > self.config.peer_timeout_s and not self.controller_dead.is_set():
+                self.controller_dead.set()
+                self.log.warning("controller_silent", silent_s=round(silent, 1))

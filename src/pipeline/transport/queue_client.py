@@ -1,0 +1,234 @@
+"""Consumer side of a queue: DEALERs to every producer, credit, acks and de-duplication.
+
+The consumer grants each producer `prefetch` credits and returns one each time the
+application takes an item. Items are de-duplicated by `uid`: a uid already done is
+acknowledged again without surfacing (its first ack may have been lost with a dead
+producer or consumer); a uid still in progress is acknowledged when it finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pipeline import codec
+from pipeline.errors import SchemaMismatch, TransportClosed
+from pipeline.log import get_logger
+from pipeline.messages import QUEUE_TYPES, Ack, Credit, Heartbeat, MsgType
+from pipeline.transport.channel import (
+    ChannelConfig,
+    ChannelStats,
+    cancel_and_wait,
+    make_socket,
+    new_identity,
+)
+
+
+@dataclass
+class _Producer:
+    endpoint: str
+    sock: Any
+    incarnation: str = ""
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    outstanding: int = 0  # credit granted and not yet used
+
+
+@dataclass
+class Delivery:
+    """One received item. Call `ack()` once its processing (and hand-off) is complete."""
+
+    uid: str
+    message: codec.Message
+    _client: QueueClient
+    _producers: list[_Producer]
+
+    @property
+    def body(self) -> Any:
+        return self.message.body
+
+    def ack(self) -> None:
+        self._client._ack(self)
+
+
+class QueueClient:
+    def __init__(
+        self,
+        queue: str,
+        endpoints: Iterable[str],
+        *,
+        run_id: str,
+        consumer: str,
+        config: ChannelConfig | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+        allowed: frozenset[MsgType] | None = None,
+        recorder: Any = None,
+    ) -> None:
+        self.queue = queue
+        self.config = config or ChannelConfig()
+        self.config.validate()
+        self.run_id = run_id
+        self.identity = new_identity(consumer)
+        self.allowed = allowed or QUEUE_TYPES.get(queue)
+        self.recorder = recorder
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._producers: list[_Producer] = []
+        self._buffer: asyncio.Queue[Delivery] = asyncio.Queue()
+        self._done: set[str] = set()
+        self._in_progress: dict[str, Delivery] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._seq = 0
+        self._closed = False
+        self.stats = ChannelStats()
+        self.log = get_logger("queue_client", queue=queue)
+        for endpoint in endpoints:
+            self._add(endpoint)
+
+    def _add(self, endpoint: str) -> _Producer:
+        sock = make_socket(self._ctx, zmq.DEALER, identity=self.identity)
+        sock.connect(endpoint)
+        producer = _Producer(endpoint=endpoint, sock=sock)
+        self._producers.append(producer)
+        return producer
+
+    # ------------------------------------------------------------------ public API
+
+    async def start(self) -> QueueClient:
+        for producer in self._producers:
+            await self._grant(producer, self.config.prefetch)
+            self._tasks.append(asyncio.create_task(self._recv_loop(producer)))
+        self._tasks.append(asyncio.create_task(self._liveness_loop()))
+        return self
+
+    async def connect(self, endpoint: str) -> None:
+        """Add a producer (a replica that joined the run)."""
+        if any(p.endpoint == endpoint for p in self._producers):
+            return
+        producer = self._add(endpoint)
+        await self._grant(producer, self.config.prefetch)
+        self._tasks.append(asyncio.create_task(self._recv_loop(producer)))
+
+    async def get(self, timeout: float | None = None) -> Delivery:
+        if self._closed:
+            raise TransportClosed(f"queue {self.queue} is closed")
+        delivery = await asyncio.wait_for(self._buffer.get(), timeout)
+        await self._grant(delivery._producers[0], 1)
+        return delivery
+
+    def mark_done(self, uids: Iterable[str]) -> None:
+        """Seed the de-duplication set (e.g. uids a restored checkpoint already holds)."""
+        self._done.update(uids)
+
+    @property
+    def done_uids(self) -> frozenset[str]:
+        return frozenset(self._done)
+
+    @property
+    def buffered(self) -> int:
+        return self._buffer.qsize()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await cancel_and_wait(self._tasks)
+        for producer in self._producers:
+            producer.sock.close(linger=0)
+
+    # ------------------------------------------------------------------ internals
+
+    async def _send(self, producer: _Producer, body: Any) -> None:
+        self._seq += 1
+        frames = codec.encode(body, run_id=self.run_id, sender=self.identity, seq=self._seq)
+        await producer.sock.send_multipart(frames)
+
+    async def _grant(self, producer: _Producer, credits: int) -> None:
+        producer.outstanding += credits
+        await self._send(
+            producer, Credit(queue=self.queue, credits=credits, consumer=self.identity)
+        )
+
+    def _ack(self, delivery: Delivery) -> None:
+        if self._in_progress.pop(delivery.uid, None) is None and delivery.uid in self._done:
+            return
+        self._done.add(delivery.uid)
+        self.stats.acked += 1
+        for producer in delivery._producers:
+            asyncio.get_running_loop().create_task(
+                self._send(producer, Ack(queue=self.queue, uids=[delivery.uid]))
+            )
+
+    async def _recv_loop(self, producer: _Producer) -> None:
+        while True:
+            frames = await producer.sock.recv_multipart(copy=False)
+            producer.last_seen = time.monotonic()
+            try:
+                msg = codec.decode(
+                    frames,
+                    allowed=(self.allowed or frozenset()) | {MsgType.HEARTBEAT},
+                    limits=self.config.limits,
+                    run_id=self.run_id,
+                )
+            except SchemaMismatch as exc:
+                self.stats.rejected[exc.reason] += 1
+                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+                continue
+            if msg.header.sender != producer.incarnation:
+                if producer.incarnation:
+                    # the producer restarted and forgot our credit: grant it afresh
+                    self.log.info("producer_restarted", endpoint=producer.endpoint)
+                    producer.outstanding = 0
+                    await self._grant(producer, self.config.prefetch - self._buffer.qsize())
+                producer.incarnation = msg.header.sender
+            if not producer.alive:
+                producer.alive = True
+                self.log.info("producer_back", endpoint=producer.endpoint)
+            if isinstance(msg.body, Heartbeat):
+                await self._send(producer, Heartbeat(service=self.queue, backlog=self.buffered))
+                continue
+            self.stats.received += 1
+            producer.outstanding = max(0, producer.outstanding - 1)
+            self._on_item(producer, msg)
+
+    def _on_item(self, producer: _Producer, msg: codec.Message) -> None:
+        uid = str(msg.body.uid)
+        if uid in self._done:
+            self.stats.duplicates += 1
+            asyncio.get_running_loop().create_task(self._redo_ack(producer, uid))
+            return
+        running = self._in_progress.get(uid)
+        if running is not None:
+            self.stats.duplicates += 1
+            running._producers.append(producer)  # ack this one too when it finishes
+            asyncio.get_running_loop().create_task(self._grant(producer, 1))
+            return
+        delivery = Delivery(uid=uid, message=msg, _client=self, _producers=[producer])
+        self._in_progress[uid] = delivery
+        if self.recorder is not None:
+            self.recorder.write(msg.frames)
+        self._buffer.put_nowait(delivery)
+
+    async def _redo_ack(self, producer: _Producer, uid: str) -> None:
+        await self._send(producer, Ack(queue=self.queue, uids=[uid]))
+        await self._grant(producer, 1)
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            now = time.monotonic()
+            for producer in self._producers:
+                silent = now - producer.last_seen
+                if producer.alive and silent > self.config.peer_timeout_s:
+                    producer.alive = False
+                    self.stats.dead_peers += 1
+                    self.log.warning(
+                        "producer_silent", endpoint=producer.endpoint, silent_s=round(silent, 1)
+                    )
+                # heartbeats keep us known to the producer (and re-register after its restart)
+                await self._send(producer, Heartbeat(service=self.queue, backlog=self.buffered))

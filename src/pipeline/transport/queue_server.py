@@ -1,0 +1,263 @@
+"""Producer side of a queue: a ROUTER that sends only against credit and redelivers.
+
+Consumers connect with DEALER sockets and grant credit. Every item stays in the
+producer's in-flight table until its consumer acknowledges it; if that consumer dies
+(process gone or silent past `peer_timeout_s`) the item goes back to the head of the
+queue for another consumer. `send` waits while `max_pending` items are queued, so a
+stalled consumer backs pressure up to whoever produces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pipeline import codec
+from pipeline.errors import SchemaMismatch, TransportClosed
+from pipeline.log import get_logger
+from pipeline.messages import Credit, Heartbeat, MsgType
+from pipeline.transport.channel import (
+    ChannelConfig,
+    ChannelStats,
+    bind,
+    cancel_and_wait,
+    make_socket,
+    new_identity,
+)
+
+_CONTROL_TYPES = frozenset({MsgType.CREDIT, MsgType.ACK, MsgType.HEARTBEAT})
+
+
+@dataclass
+class _Item:
+    uid: str
+    frames: list[Any]
+    acked: asyncio.Future[None]
+
+
+@dataclass
+class _Consumer:
+    identity: bytes
+    credit: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    inflight: dict[str, _Item] = field(default_factory=dict)
+
+
+class QueueServer:
+    def __init__(
+        self,
+        queue: str,
+        endpoint: str,
+        *,
+        run_id: str,
+        sender: str,
+        config: ChannelConfig | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.queue = queue
+        self.config = config or ChannelConfig()
+        self.config.validate()
+        self.run_id = run_id
+        self.identity = new_identity(sender)
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._sock = make_socket(self._ctx, zmq.ROUTER)
+        self.endpoint = bind(self._sock, endpoint)
+        self._pending: collections.deque[_Item] = collections.deque()
+        self._consumers: dict[bytes, _Consumer] = {}
+        self._by_uid: dict[str, _Item] = {}
+        self._seq = 0
+        self._space = asyncio.Condition()
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closed = False
+        self.stats = ChannelStats()
+        self.log = get_logger("queue_server", queue=queue)
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self) -> QueueServer:
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name=f"{self.queue}-recv"),
+            asyncio.create_task(self._dispatch_loop(), name=f"{self.queue}-dispatch"),
+            asyncio.create_task(self._liveness_loop(), name=f"{self.queue}-liveness"),
+        ]
+        return self
+
+    async def send(
+        self, body: Any, tensors: codec.TensorPack | None = None
+    ) -> asyncio.Future[None]:
+        """Queue one item; waits while the queue is full. Returns a future set on ack."""
+        if self._closed:
+            raise TransportClosed(f"queue {self.queue} is closed")
+        async with self._space:
+            await self._space.wait_for(lambda: len(self._pending) < self.config.max_pending)
+        self._seq += 1
+        frames = codec.encode(
+            body, run_id=self.run_id, sender=self.identity, seq=self._seq, tensors=tensors
+        )
+        uid = str(body.uid)
+        existing = self._by_uid.get(uid)
+        if existing is not None:
+            return existing.acked  # already queued or in flight: one delivery per uid
+        item = _Item(uid=uid, frames=frames, acked=asyncio.get_running_loop().create_future())
+        self._by_uid[uid] = item
+        self._pending.append(item)
+        self._wakeup.set()
+        return item.acked
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def inflight(self) -> int:
+        return sum(len(c.inflight) for c in self._consumers.values())
+
+    @property
+    def unacked(self) -> int:
+        return len(self._by_uid)
+
+    @property
+    def consumers(self) -> int:
+        return len(self._consumers)
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until every item sent so far has been acknowledged."""
+        futures = [item.acked for item in self._by_uid.values()]
+        if futures:
+            await asyncio.wait_for(asyncio.gather(*futures), timeout)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await cancel_and_wait(self._tasks)
+        for item in self._by_uid.values():
+            if not item.acked.done():
+                item.acked.cancel()
+        self._sock.close(linger=0)
+
+    # ------------------------------------------------------------------ internals
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            try:
+                msg = codec.decode(
+                    frames[1:],
+                    allowed=_CONTROL_TYPES,
+                    limits=self.config.limits,
+                    run_id=self.run_id,
+                )
+            except SchemaMismatch as exc:
+                self.stats.rejected[exc.reason] += 1
+                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+                continue
+            consumer = self._consumers.get(identity)
+            if consumer is None:
+                consumer = self._consumers[identity] = _Consumer(identity=identity)
+                self.log.info("consumer_joined", consumer=identity.decode(errors="replace"))
+            consumer.last_seen = time.monotonic()
+            body = msg.body
+            if isinstance(body, Credit):
+                consumer.credit += max(0, body.credits)
+                self._wakeup.set()
+            elif isinstance(body, Heartbeat):
+                pass
+            else:  # Ack
+                for uid in body.uids:
+                    self._on_ack(uid)
+
+    def _on_ack(self, uid: str) -> None:
+        item = self._by_uid.pop(uid, None)
+        for consumer in self._consumers.values():
+            consumer.inflight.pop(uid, None)
+        if item is None:
+            return
+        self.stats.acked += 1
+        if not item.acked.done():
+            item.acked.set_result(None)
+        # an acked item that was re-queued for redelivery must not go out again
+        if item in self._pending:
+            self._pending.remove(item)
+            self._notify_space()
+
+    def _notify_space(self) -> None:
+        async def _notify() -> None:
+            async with self._space:
+                self._space.notify_all()
+
+        asyncio.get_running_loop().create_task(_notify())
+
+    def _pick_consumer(self) -> _Consumer | None:
+        best: _Consumer | None = None
+        for consumer in self._consumers.values():
+            if consumer.credit > 0 and (best is None or consumer.credit > best.credit):
+                best = consumer
+        return best
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            sent_any = False
+            while self._pending:
+                consumer = self._pick_consumer()
+                if consumer is None:
+                    break
+                item = self._pending.popleft()
+                try:
+                    await self._sock.send_multipart([consumer.identity, *item.frames], copy=False)
+                except zmq.ZMQError as exc:  # EHOSTUNREACH: the consumer is gone
+                    self._pending.appendleft(item)
+                    self._declare_dead(consumer, f"send failed: {exc}")
+                    continue
+                consumer.credit -= 1
+                consumer.inflight[item.uid] = item
+                self.stats.sent += 1
+                sent_any = True
+            if sent_any:
+                self._notify_space()
+
+    def _declare_dead(self, consumer: _Consumer, reason: str) -> None:
+        self._consumers.pop(consumer.identity, None)
+        self.stats.dead_peers += 1
+        items = [i for i in consumer.inflight.values() if i.uid in self._by_uid]
+        self.stats.redelivered += len(items)
+        for item in reversed(items):
+            self._pending.appendleft(item)
+        self.log.warning(
+            "consumer_dead",
+            consumer=consumer.identity.decode(errors="replace"),
+            reason=reason,
+            requeued=len(items),
+        )
+        self._wakeup.set()
+
+    async def _liveness_loop(self) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            now = time.monotonic()
+            for consumer in list(self._consumers.values()):
+                if now - consumer.last_seen > self.config.peer_timeout_s:
+                    self._declare_dead(consumer, f"silent for {now - consumer.last_seen:.1f}s")
+                    continue
+                seq += 1
+                frames = codec.encode(
+                    Heartbeat(service=self.queue, backlog=len(self._pending)),
+                    run_id=self.run_id,
+                    sender=self.identity,
+                    seq=seq,
+                )
+                try:
+                    await self._sock.send_multipart([consumer.identity, *frames])
+                except zmq.ZMQError as exc:
+                    self._declare_dead(consumer, f"heartbeat failed: {exc}")

@@ -1,0 +1,105 @@
+"""Credit, ack, redelivery and de-duplication of one queue, driven in one process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from pipeline.codec import TensorPack
+from pipeline.messages import Prompt
+from pipeline.transport import ChannelConfig, QueueClient, QueueServer
+
+FAST = ChannelConfig(prefetch=4, max_pending=8, heartbeat_s=0.05, peer_timeout_s=0.5)
+
+
+def prompt(i: int) -> tuple[Prompt, TensorPack]:
+    pack = TensorPack()
+    ref = pack.add(np.arange(i % 7 + 1, dtype=np.int32))
+    return Prompt(uid=f"p{i}", prompt_ids=ref, n_samples=2), pack
+
+
+async def test_items_flow_with_tensors_and_acks(ipc_endpoint):
+    server = QueueServer("prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST).start()
+    client = await QueueClient(
+        "prompts", [server.endpoint], run_id="r", consumer="roll", config=FAST
+    ).start()
+    seen = []
+
+    async def consume() -> None:
+        for _ in range(20):
+            d = await client.get(timeout=5)
+            arr = d.message.tensor(d.body.prompt_ids)
+            assert arr.tolist() == list(range(int(d.uid[1:]) % 7 + 1))
+            seen.append(d.uid)
+            d.ack()
+
+    consumer = asyncio.create_task(consume())
+    futures = [await server.send(*prompt(i)) for i in range(20)]
+    await asyncio.wait_for(consumer, 10)
+    await asyncio.wait_for(asyncio.gather(*futures), 5)
+    assert sorted(seen) == sorted(f"p{i}" for i in range(20))
+    assert server.unacked == 0
+    await client.close()
+    await server.close()
+
+
+async def test_no_credit_no_send(ipc_endpoint):
+    server = QueueServer("prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST).start()
+    client = await QueueClient(
+        "prompts", [server.endpoint], run_id="r", consumer="roll", config=FAST
+    ).start()
+    for i in range(12):
+        await server.send(*prompt(i))
+    await asyncio.sleep(0.3)
+    # prefetch=4: the consumer holds 4, the producer keeps the rest
+    assert client.buffered == 4
+    assert server.pending == 8
+    assert server.stats.sent == 4
+    # the queue is full (max_pending=8): a 13th send waits
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(server.send(*prompt(99)), 0.3)
+    await client.close()
+    await server.close()
+
+
+async def test_dead_consumer_items_redelivered_once(ipc_endpoint):
+    server = QueueServer("prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST).start()
+    first = await QueueClient(
+        "prompts", [server.endpoint], run_id="r", consumer="a", config=FAST
+    ).start()
+    for i in range(6):
+        await server.send(*prompt(i))
+    got = [await first.get(timeout=5) for _ in range(3)]
+    got[0].ack()
+    await asyncio.sleep(0.1)
+    await first.close()  # dies without acking 2 of its items (and 1 prefetched)
+    second = await QueueClient(
+        "prompts", [server.endpoint], run_id="r", consumer="b", config=FAST
+    ).start()
+    uids = []
+    for _ in range(5):
+        d = await second.get(timeout=5)
+        uids.append(d.uid)
+        d.ack()
+    assert sorted(uids + [got[0].uid]) == sorted(f"p{i}" for i in range(6))
+    assert server.stats.redelivered >= 2
+    await second.close()
+    await server.close()
+
+
+async def test_duplicate_uid_is_acked_not_surfaced(ipc_endpoint):
+    server = QueueServer("prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST).start()
+    client = await QueueClient(
+        "prompts", [server.endpoint], run_id="r", consumer="a", config=FAST
+    ).start()
+    client.mark_done(["p1"])
+    fut = await server.send(*prompt(1))
+    await server.send(*prompt(2))
+    d = await client.get(timeout=5)
+    assert d.uid == "p2"
+    await asyncio.wait_for(fut, 5)  # the duplicate was acknowledged without surfacing
+    assert client.stats.duplicates == 1
+    await client.close()
+    await server.close()

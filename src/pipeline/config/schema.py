@@ -1,0 +1,212 @@
+"""The typed configuration of a run. Each section has its defaults here, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.algorithms.config import AlgorithmConfig
+from pipeline.errors import ConfigError
+from pipeline.transport.channel import ChannelConfig
+
+ROLES = ("controller", "rollout", "reward", "critic", "learner", "reference")
+QUEUES = ("prompts", "rollouts", "scored", "experience")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "local-cpu"
+    runs_dir: str = "runs"
+    seed: int = 0
+    # "ipc" puts sockets in the run directory (one host); "tcp" binds `host` ports
+    transport: Literal["ipc", "tcp"] = "ipc"
+    host: str = "127.0.0.1"
+    controller_port: int = 0
+    handshake_timeout_s: float = 20.0
+    # allow binding a non-loopback address without CURVE keys (never in production)
+    allow_insecure: bool = False
+
+    def validate(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name {self.name!r} must be a non-empty name without '/'")
+
+
+@dataclass(frozen=True)
+class QueuesConfig:
+    channel: ChannelConfig = field(default_factory=ChannelConfig)
+    record: list[str] = field(default_factory=lambda: list(QUEUES))
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.record) - set(QUEUES))
+        if unknown:
+            raise ConfigError(f"queues.record names unknown queues {unknown}; known: {list(QUEUES)}")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    host: str = "127.0.0.1"
+    kind: Literal["cpu", "cuda"] = "cpu"
+    devices: list[int] = field(default_factory=list)
+    # free-form label, e.g. "H200" or "L40S", for the report
+    device_name: str = ""
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    pool: str = "local"
+    replicas: int = 1
+    devices_per_replica: int = 0
+    fsdp_size: int = 1
+    tp: int = 1
+
+    def validate(self) -> None:
+        if self.replicas < 0:
+            raise ConfigError("services.*.replicas must be >= 0")
+        if self.tp < 1 or self.fsdp_size < 1:
+            raise ConfigError("services.*.tp and fsdp_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    # "toy_reverse" (generated), or a path to a parquet/jsonl file in the RL schema
+    dataset: str = "toy_reverse"
+    dataset_size: int = 512
+    max_prompt_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    steps: int = 20
+    prompts_per_step: int = 8
+    max_staleness: int = 1
+    # prompts released but not yet trained, at most (also bounded by staleness)
+    max_inflight_prompts: int = 64
+    step_timeout_s: float = 120.0
+
+    def validate(self) -> None:
+        if self.steps < 1 or self.prompts_per_step < 1:
+            raise ConfigError("controller.steps and controller.prompts_per_step must be >= 1")
+        if self.max_staleness < 0:
+            raise ConfigError("controller.max_staleness must be >= 0 (0 = synchronous PPO)")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["standin", "torch", "hf", "vllm"] = "standin"
+    n_samples: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_batch: int = 64
+
+    def validate(self) -> None:
+        if self.n_samples < 1:
+            raise ConfigError("rollout.n_samples must be >= 1")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("rollout.top_p must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    # "auto": pick the verifier by each sample's data_source; or a name / "module:function"
+    function: str = "auto"
+    timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    max_tokens_per_micro_batch: int = 4096
+    checkpoint_every: int = 0
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    enabled: bool = True
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    # a local Hugging Face directory; empty: the project makes its tiny model in the run dir
+    path: str = ""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    max_restarts: int = 3
+    restart_backoff_s: float = 0.5
+    stop_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    queues: QueuesConfig = field(default_factory=QueuesConfig)
+    pools: dict[str, PoolConfig] = field(default_factory=lambda: {"local": PoolConfig()})
+    services: dict[str, PlacementConfig] = field(
+        default_factory=lambda: {
+            "controller": PlacementConfig(),
+            "rollout": PlacementConfig(),
+            "reward": PlacementConfig(),
+            "critic": PlacementConfig(),
+            "learner": PlacementConfig(),
+        }
+    )
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.services) - set(ROLES))
+        if unknown:
+            raise ConfigError(f"services names unknown roles {unknown}; known roles: {list(ROLES)}")
+        for role in ("controller", "learner"):
+            placement = self.services.get(role)
+            if placement is None or placement.replicas != 1:
+                raise ConfigError(f"services.{role}.replicas must be 1 (it owns the run's state)")
+        for role, placement in self.services.items():
+            if placement.pool not in self.pools:
+                raise ConfigError(
+                    f"services.{role}.pool = {placement.pool!r} is not a pool; "
+                    f"define [pools.{placement.pool}] or use one of {sorted(self.pools)}"
+                )
+            pool = self.pools[placement.pool]
+            need = placement.devices_per_replica * placement.replicas
+            if pool.kind == "cuda" and pool.devices and need > len(pool.devices):
+                raise ConfigError(
+                    f"services.{role} needs {need} devices but pool {placement.pool!r} has "
+                    f"{len(pool.devices)}; lower replicas or devices_per_replica"
+                )
+        if self.algorithm.advantage_estimator in ("gae", "vtrace") and not self.critic.enabled:
+            raise ConfigError(
+                f"algorithm.advantage_estimator = {self.algorithm.advantage_estimator!r} needs "
+                "a critic; set critic.enabled = true or use 'grpo' / 'rloo'"
+            )
+        if self.algorithm.advantage_estimator in ("grpo", "rloo") and self.rollout.n_samples < 2:
+            raise ConfigError("group baselines need rollout.n_samples >= 2")
+
+    def replicas(self, role: str) -> int:
+        placement = self.services.get(role)
+        return placement.replicas if placement else 0

@@ -1,0 +1,1 @@
+"""Process runtime: endpoints layout, the service base, the local supervisor."""

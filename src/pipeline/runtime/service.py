@@ -1,0 +1,217 @@
+"""The service base: lifecycle, handshake, queues, signals, metrics.
+
+A service subclass says what it does with one input message (`handle`) or overrides
+`run` for its own loop; `serve` does the rest: hello -> config -> ready with the
+controller, binds its output queue, connects its input queue (recording it if asked),
+and stops cleanly on SIGTERM/SIGINT or the controller's shutdown.
+
+Delivery is acknowledged along the chain: an input is acknowledged only after every
+output made from it has been acknowledged downstream, so a service that dies loses
+nothing: its producer redelivers what it had not acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pipeline import codec
+from pipeline.config import PipelineConfig, config_from_json
+from pipeline.log import bind_process, configure_logging, get_logger
+from pipeline.messages import Hello, Metrics
+from pipeline.recording import QueueRecorder, queue_path
+from pipeline.runtime import layout
+from pipeline.transport import ControlClient, Delivery, QueueClient, QueueServer
+from pipeline.transport.channel import cancel_and_wait
+
+Output = tuple[Any, codec.TensorPack | None]
+
+
+@dataclass
+class ServiceContext:
+    config: PipelineConfig
+    role: str
+    replica: int
+    run_id: str
+    run_dir: Path
+    control: ControlClient | None = None
+    output: QueueServer | None = None
+    input: QueueClient | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    policy_version: int = 0
+
+
+class MetricsWriter:
+    """JSON lines under runs/<name>/metrics/, one file per service replica."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the service
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Service:
+    role: ClassVar[str] = ""
+    # items processed concurrently by the default loop
+    concurrency: ClassVar[int] = 4
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.log = get_logger(self.role)
+        self.metrics = MetricsWriter(ctx.run_dir / "metrics" / f"{self.role}-{ctx.replica}.jsonl")
+
+    async def setup(self) -> None:
+        """Load models and data; runs before the first input is taken."""
+
+    async def handle(self, message: codec.Message) -> list[Output]:
+        raise NotImplementedError(f"{type(self).__name__} must implement handle() or run()")
+
+    async def teardown(self) -> None:
+        """Release what setup took."""
+
+    async def report(self, step: int, values: dict[str, float]) -> None:
+        self.metrics.write({"step": step, **values})
+        if self.ctx.control is not None:
+            await self.ctx.control.send(
+                Metrics(service=self.role, replica=self.ctx.replica, step=step, values=values)
+            )
+
+    async def process(self, delivery: Delivery) -> None:
+        outputs = await self.handle(delivery.message)
+        acks = []
+        for body, tensors in outputs:
+            assert self.ctx.output is not None, f"{self.role} has no output queue"
+            acks.append(await self.ctx.output.send(body, tensors))
+        if acks:
+            await asyncio.gather(*acks)
+        delivery.ack()
+
+    async def run(self) -> None:
+        """Default loop: take inputs, handle them concurrently, chain the acks."""
+        assert self.ctx.input is not None
+        running: set[asyncio.Task[None]] = set()
+        while not self.ctx.stop.is_set():
+            if len(running) >= self.concurrency:
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # fail the service visibly
+                continue
+            try:
+                delivery = await self.ctx.input.get(timeout=0.2)
+            except TimeoutError:
+                continue
+            running.add(asyncio.create_task(self.process(delivery)))
+        await cancel_and_wait(list(running))
+
+
+def _install_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def _wait_stop(ctx: ServiceContext, main: asyncio.Task[None]) -> None:
+    assert ctx.control is not None
+    waiters = [
+        asyncio.create_task(ctx.stop.wait()),
+        asyncio.create_task(ctx.control.shutdown.wait()),
+    ]
+    done, _ = await asyncio.wait([main, *waiters], return_when=asyncio.FIRST_COMPLETED)
+    ctx.stop.set()
+    await cancel_and_wait(waiters)
+    if main in done:
+        main.result()
+
+
+async def serve(
+    service_cls: type[Service],
+    *,
+    controller: str,
+    replica: int,
+    local_config: PipelineConfig,
+) -> None:
+    """Run one service replica until the run ends or it is told to stop."""
+    role = service_cls.role
+    configure_logging()
+    bind_process(service=role, replica=replica)
+    log = get_logger("serve")
+    control = ControlClient(
+        controller, service=role, replica=replica, config=local_config.queues.channel
+    )
+    out_queue = layout.output_queue(local_config, role)
+    hello = Hello(
+        service=role,
+        replica=replica,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        endpoints={out_queue: layout.queue_endpoint(local_config, out_queue, replica)}
+        if out_queue
+        else {},
+    )
+    answer = await control.handshake(hello, local_config.run.handshake_timeout_s)
+    config = config_from_json(answer.config_json)
+    bind_process(service=role, replica=replica, run_id=answer.run_id)
+    ctx = ServiceContext(
+        config=config,
+        role=role,
+        replica=replica,
+        run_id=answer.run_id,
+        run_dir=Path(answer.run_dir),
+        control=control,
+        policy_version=answer.policy_version,
+    )
+    _install_signals(ctx.stop)
+    channel = config.queues.channel
+    recorder = None
+    if out_queue:
+        ctx.output = QueueServer(
+            out_queue,
+            layout.bind_endpoint(config, out_queue, replica),
+            run_id=ctx.run_id,
+            sender=f"{role}-{replica}",
+            config=channel,
+        ).start()
+    in_queue = layout.input_queue(config, role)
+    if in_queue:
+        if in_queue in config.queues.record:
+            recorder = QueueRecorder(
+                queue_path(ctx.run_dir, in_queue), queue=in_queue, run_id=ctx.run_id
+            )
+        ctx.input = await QueueClient(
+            in_queue,
+            layout.producer_endpoints(config, in_queue),
+            run_id=ctx.run_id,
+            consumer=f"{role}-{replica}",
+            config=channel,
+            recorder=recorder,
+        ).start()
+    service = service_cls(ctx)
+    log.info("service_starting", input=in_queue, output=out_queue)
+    try:
+        await service.setup()
+        main = asyncio.create_task(service.run())
+        await _wait_stop(ctx, main)
+        if not main.done():
+            await cancel_and_wait([main], timeout=config.supervisor.stop_timeout_s)
+    finally:
+        await service.teardown()
+        service.metrics.close()
+        for closer in (ctx.input, ctx.output, control):
+            if closer is not None:
+                await closer.close()
+        if recorder is not None:
+            recorder.close()
+        log.info("service_stopped")

@@ -29,6 +29,7 @@ class MsgType(enum.IntEnum):
     ERROR = 8
     SHUTDOWN = 9
     METRICS = 10
+    DROPPED = 11
     # data plane
     PROMPT = 20
     ROLLOUT = 21
@@ -131,6 +132,15 @@ class StepDone(_Wire):
     trained_uids: list[str]
     dropped_uids: list[str] = []
     metrics: dict[str, float] = {}
+
+
+class Dropped(_Wire):
+    """Learner -> controller: samples dropped as too stale (the controller replaces them)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DROPPED
+    uids: list[str]
+    policy_version: int
+    reason: str = "stale"
 
 
 class Metrics(_Wire):
@@ -261,6 +271,7 @@ MESSAGE_TYPES: dict[MsgType, type[_Wire]] = {
         Ack,
         Heartbeat,
         StepDone,
+        Dropped,
         Metrics,
         ErrorMsg,
         Shutdown,

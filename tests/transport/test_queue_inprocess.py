@@ -21,7 +21,9 @@ def prompt(i: int) -> tuple[Prompt, TensorPack]:
 
 
 async def test_items_flow_with_tensors_and_acks(ipc_endpoint):
-    server = QueueServer("prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST).start()
+    server = QueueServer(
+        "prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST
+    ).start()
     client = await QueueClient(
         "prompts", [server.endpoint], run_id="r", consumer="roll", config=FAST
     ).start()
@@ -46,7 +48,9 @@ async def test_items_flow_with_tensors_and_acks(ipc_endpoint):
 
 
 async def test_no_credit_no_send(ipc_endpoint):
-    server = QueueServer("prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST).start()
+    server = QueueServer(
+        "prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST
+    ).start()
     client = await QueueClient(
         "prompts", [server.endpoint], run_id="r", consumer="roll", config=FAST
     ).start()
@@ -65,7 +69,9 @@ async def test_no_credit_no_send(ipc_endpoint):
 
 
 async def test_dead_consumer_items_redelivered_once(ipc_endpoint):
-    server = QueueServer("prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST).start()
+    server = QueueServer(
+        "prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST
+    ).start()
     first = await QueueClient(
         "prompts", [server.endpoint], run_id="r", consumer="a", config=FAST
     ).start()
@@ -83,14 +89,16 @@ async def test_dead_consumer_items_redelivered_once(ipc_endpoint):
         d = await second.get(timeout=5)
         uids.append(d.uid)
         d.ack()
-    assert sorted(uids + [got[0].uid]) == sorted(f"p{i}" for i in range(6))
+    assert sorted([*uids, got[0].uid]) == sorted(f"p{i}" for i in range(6))
     assert server.stats.redelivered >= 2
     await second.close()
     await server.close()
 
 
 async def test_duplicate_uid_is_acked_not_surfaced(ipc_endpoint):
-    server = QueueServer("prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST).start()
+    server = QueueServer(
+        "prompts", ipc_endpoint("q"), run_id="r", sender="ctl", config=FAST
+    ).start()
     client = await QueueClient(
         "prompts", [server.endpoint], run_id="r", consumer="a", config=FAST
     ).start()

@@ -24,7 +24,9 @@ def convert(tp: Any, value: Any, path: str) -> Any:
     if origin is Literal:
         allowed = get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{path} = {value!r} is not allowed; set it to one of {list(allowed)}")
+            raise ConfigError(
+                f"{path} = {value!r} is not allowed; set it to one of {list(allowed)}"
+            )
         return value
     if origin in (Union, types.UnionType):
         args = get_args(tp)

@@ -65,7 +65,9 @@ def parse_override_args(args: list[str]) -> dict[str, str]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key value")
+            raise ConfigError(
+                f"unexpected argument {arg!r}; overrides look like --section.key value"
+            )
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
             i += 1
@@ -85,7 +87,9 @@ def resolve_profile(profile: str) -> Path:
     return Path("profiles") / f"{profile}.toml"
 
 
-def load_config(profile: str | Path | None, overrides: dict[str, str] | None = None) -> PipelineConfig:
+def load_config(
+    profile: str | Path | None, overrides: dict[str, str] | None = None
+) -> PipelineConfig:
     data: dict[str, Any] = read_profile(resolve_profile(str(profile))) if profile else {}
     data = apply_overrides(data, overrides or {})
     config = from_dict(PipelineConfig, data)

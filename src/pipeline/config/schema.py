@@ -39,7 +39,9 @@ class QueuesConfig:
     def validate(self) -> None:
         unknown = sorted(set(self.record) - set(QUEUES))
         if unknown:
-            raise ConfigError(f"queues.record names unknown queues {unknown}; known: {list(QUEUES)}")
+            raise ConfigError(
+                f"queues.record names unknown queues {unknown}; known: {list(QUEUES)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class Service:
         self.ctx = ctx
         self.config = ctx.config
         self.log = get_logger(self.role)
+        self._ack_waiters: set[asyncio.Future[Any]] = set()
         self.metrics = MetricsWriter(ctx.run_dir / "metrics" / f"{self.role}-{ctx.replica}.jsonl")
 
     async def setup(self) -> None:
@@ -82,6 +83,13 @@ class Service:
     async def teardown(self) -> None:
         """Release what setup took."""
 
+    async def replay(self, messages: list[codec.Message], run_dir: Path) -> list[Output]:
+        """Handle recorded inputs in recorded order (`pipeline replay`)."""
+        outputs: list[Output] = []
+        for message in messages:
+            outputs.extend(await self.handle(message))
+        return outputs
+
     async def report(self, step: int, values: dict[str, float]) -> None:
         self.metrics.write({"step": step, **values})
         if self.ctx.control is not None:
@@ -90,14 +98,26 @@ class Service:
             )
 
     async def process(self, delivery: Delivery) -> None:
+        """Handle one input and hand its outputs on; the input is acked once they are."""
         outputs = await self.handle(delivery.message)
         acks = []
         for body, tensors in outputs:
             assert self.ctx.output is not None, f"{self.role} has no output queue"
             acks.append(await self.ctx.output.send(body, tensors))
-        if acks:
-            await asyncio.gather(*acks)
-        delivery.ack()
+        if not acks:
+            delivery.ack()
+            return
+        # waiting for downstream acks must not hold a processing slot: the sink may
+        # acknowledge only after it has gathered a whole step
+        waiter = asyncio.gather(*acks)
+
+        def on_acked(fut: asyncio.Future[Any]) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                delivery.ack()
+
+        waiter.add_done_callback(on_acked)
+        self._ack_waiters.add(waiter)
+        waiter.add_done_callback(self._ack_waiters.discard)
 
     async def run(self) -> None:
         """Default loop: take inputs, handle them concurrently, chain the acks."""
@@ -134,6 +154,21 @@ async def _wait_stop(ctx: ServiceContext, main: asyncio.Task[None]) -> None:
     await cancel_and_wait(waiters)
     if main in done:
         main.result()
+
+
+async def _log_stats(ctx: ServiceContext, service: Service, every_s: float = 5.0) -> None:
+    """Queue counters into the log and the metrics file, so a stall is visible."""
+    while True:
+        await asyncio.sleep(every_s)
+        record: dict[str, Any] = {}
+        if ctx.input is not None:
+            record.update({f"in.{k}": v for k, v in ctx.input.stats.as_dict().items()})
+            record["in.buffered"] = ctx.input.buffered
+        if ctx.output is not None:
+            record.update({f"out.{k}": v for k, v in ctx.output.stats.as_dict().items()})
+            record.update({"out.pending": ctx.output.pending, "out.unacked": ctx.output.unacked})
+        service.metrics.write({"kind": "queues", **record})
+        service.log.debug("queue_stats", **record)
 
 
 async def serve(
@@ -200,13 +235,18 @@ async def serve(
         ).start()
     service = service_cls(ctx)
     log.info("service_starting", input=in_queue, output=out_queue)
+    stats_task = asyncio.create_task(_log_stats(ctx, service))
     try:
         await service.setup()
         main = asyncio.create_task(service.run())
         await _wait_stop(ctx, main)
+    except Exception:
+        log.exception("service_failed")
+        raise
         if not main.done():
             await cancel_and_wait([main], timeout=config.supervisor.stop_timeout_s)
     finally:
+        stats_task.cancel()
         await service.teardown()
         service.metrics.close()
         for closer in (ctx.input, ctx.output, control):

@@ -35,6 +35,7 @@ _TO_CONTROLLER = frozenset(
         MsgType.READY,
         MsgType.HEARTBEAT,
         MsgType.STEP_DONE,
+        MsgType.DROPPED,
         MsgType.METRICS,
         MsgType.ERROR,
         MsgType.WEIGHT_DONE,
@@ -82,6 +83,8 @@ class ControlServer:
         self._sock = make_socket(self._ctx, zmq.ROUTER)
         self.endpoint = bind(self._sock, endpoint)
         self.peers: dict[bytes, Peer] = {}
+        # the learner's version, echoed in every heartbeat answer
+        self.policy_version = 0
         self.inbox: asyncio.Queue[tuple[Peer, Any] | PeerEvent] = asyncio.Queue()
         self.stats = ChannelStats()
         self._seq = 0
@@ -150,8 +153,9 @@ class ControlServer:
                 self.inbox.put_nowait(PeerEvent("ready", peer))
             elif isinstance(body, Heartbeat):
                 peer.policy_version = body.policy_version
-                self._seq += 1
-                await self.send(peer, Heartbeat(service="controller"))
+                await self.send(
+                    peer, Heartbeat(service="controller", policy_version=self.policy_version)
+                )
             else:
                 self.stats.received += 1
                 self.inbox.put_nowait((peer, body))
@@ -223,6 +227,7 @@ class ControlClient:
                 continue
             if isinstance(msg.body, ConfigMsg):
                 self.run_id = msg.body.run_id
+                self.policy_version = msg.body.policy_version
                 await self.send(Ready(service=self.service, replica=self.replica))
                 self._last_seen = time.monotonic()
                 self._tasks = [
@@ -256,6 +261,9 @@ class ControlClient:
             if self.controller_dead.is_set():
                 self.controller_dead.clear()
                 self.log.info("controller_back")
+            if isinstance(msg.body, Heartbeat):
+                # the controller's heartbeats carry the learner's current policy version
+                self.policy_version = max(self.policy_version, msg.body.policy_version)
             if isinstance(msg.body, Shutdown):
                 self.log.info("shutdown_requested", reason=msg.body.reason)
                 self.shutdown.set()

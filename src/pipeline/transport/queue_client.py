@@ -144,6 +144,8 @@ class QueueClient:
     # ------------------------------------------------------------------ internals
 
     async def _send(self, producer: _Producer, body: Any) -> None:
+        if self._closed:
+            return
         self._seq += 1
         frames = codec.encode(body, run_id=self.run_id, sender=self.identity, seq=self._seq)
         await producer.sock.send_multipart(frames)

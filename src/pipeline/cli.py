@@ -1,0 +1,78 @@
+"""`pipeline`: run, service, inspect, replay, report. Heavy modules load only when used."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+ROLES = ("controller", "rollout", "reward", "critic", "learner")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeline",
+        description="Asynchronous KL-PPO for language models: services over ZeroMQ.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run every service of a profile locally (supervised)")
+    run.add_argument("--profile", default="profiles/local-cpu.toml")
+    run.add_argument("--name", default=None, help="run name (default: profile name + time)")
+    run.add_argument("--no-progress", action="store_true")
+
+    svc = sub.add_parser("service", help="start one service; it joins through the controller")
+    svc.add_argument("role", choices=ROLES)
+
+    ins = sub.add_parser("inspect", help="filter, print and export a recorded queue")
+    ins.add_argument("run", help="run directory, or a queue .log file")
+    ins.add_argument("--queue", default=None, help="queue name (default: every recorded queue)")
+    ins.add_argument("--uid", default=None, help="only records whose uid starts with this")
+    ins.add_argument("--step", type=int, default=None, help="only uids trained at this step")
+    ins.add_argument("--version", type=int, default=None, help="only this released version")
+    ins.add_argument("--limit", type=int, default=20)
+    ins.add_argument("--jsonl", default=None, help="export matching records to JSONL")
+    ins.add_argument("--parquet", default=None, help="export matching records to parquet")
+
+    rep = sub.add_parser("replay", help="feed a recorded queue into one service, in-process")
+    rep.add_argument("run", help="run directory that holds queues/<queue>.log")
+    rep.add_argument("--service", required=True, choices=ROLES[1:])
+    rep.add_argument("--out", default=None, help="where replay outputs go (default RUN/replay)")
+
+    rpt = sub.add_parser("report", help="plots and a Perfetto trace of a run")
+    rpt.add_argument("run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "service" and argv[1] in ROLES:
+        import importlib
+
+        module = importlib.import_module(f"services.{argv[1]}")
+        return int(module.main(argv[2:]))
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "run":
+        from pipeline.commands.run import run_command
+
+        return run_command(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "inspect":
+        from pipeline.commands.inspect import inspect_command
+
+        return inspect_command(args)
+    if args.command == "replay":
+        from pipeline.commands.replay import replay_command
+
+        return replay_command(args)
+    if args.command == "report":
+        from pipeline.commands.report import report_command
+
+        return report_command(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

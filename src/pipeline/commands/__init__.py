@@ -1,0 +1,1 @@
+"""Implementations of the `pipeline` subcommands (imported lazily by the CLI)."""

@@ -1,0 +1,79 @@
+"""`pipeline replay`: feed a recorded queue into one service, in this process.
+
+Nothing else runs: no controller, no sockets. The service is built from the run's
+resolved config and sees the recorded messages in recorded order; its outputs are
+recorded under `<out>/queues/`, so they can be compared with the original run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline import codec
+from pipeline.config import config_from_json
+from pipeline.log import configure_logging
+from pipeline.recording import QueueReader, QueueRecorder, queue_path
+from pipeline.runtime import layout
+from pipeline.runtime.service import ServiceContext
+
+SERVICE_CLASSES = {
+    "rollout": "services.rollout:RolloutService",
+    "reward": "services.reward:RewardService",
+    "critic": "services.critic:CriticService",
+    "learner": "services.learner:LearnerService",
+}
+
+
+def load_service_class(role: str) -> Any:
+    module, name = SERVICE_CLASSES[role].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+async def replay(run_dir: Path, role: str, out_dir: Path) -> dict[str, Any]:
+    config = config_from_json((run_dir / "config.json").read_text())
+    run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
+    in_queue = layout.input_queue(config, role)
+    out_queue = layout.output_queue(config, role)
+    assert in_queue is not None
+    reader = QueueReader(queue_path(run_dir, in_queue))
+    messages = [codec.decode(r.frames) for r in reader]
+    ctx = ServiceContext(config=config, role=role, replica=0, run_id=run_id, run_dir=out_dir)
+    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    service = load_service_class(role)(ctx)
+    recorder = (
+        QueueRecorder(queue_path(out_dir, out_queue), queue=out_queue, run_id=run_id)
+        if out_queue
+        else None
+    )
+    produced = 0
+    try:
+        await service.setup()
+        for seq, (body, tensors) in enumerate(await service.replay(messages, run_dir)):
+            if recorder is not None:
+                recorder.write(
+                    codec.encode(
+                        body, run_id=run_id, sender=f"replay-{role}", seq=seq, tensors=tensors
+                    )
+                )
+            produced += 1
+    finally:
+        await service.teardown()
+        service.metrics.close()
+        if recorder is not None:
+            recorder.close()
+    return {"service": role, "inputs": len(messages), "outputs": produced, "out": str(out_dir)}
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    from pipeline.transport.channel import run_async
+
+    configure_logging()
+    run_dir = Path(args.run)
+    out = Path(args.out) if args.out else run_dir / "replay" / args.service
+    result = run_async(replay(run_dir, args.service, out))
+    print(json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,43 @@
+"""`pipeline run`: the local supervisor over every service of a profile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from pipeline.config import load_config, parse_override_args
+from pipeline.config.profile import resolve_profile
+from pipeline.errors import ConfigError
+from pipeline.log import configure_logging
+
+
+def run_command(args: argparse.Namespace, rest: list[str]) -> int:
+    from pipeline.runtime import layout
+    from pipeline.runtime.supervisor import Supervisor
+
+    configure_logging()
+    profile = str(resolve_profile(args.profile))
+    try:
+        overrides = parse_override_args(rest)
+        base = load_config(profile, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}")
+        return 2
+    name = args.name or f"{base.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    overrides["run.name"] = name
+    config = load_config(profile, overrides)
+    supervisor = Supervisor(
+        config, profile=profile, overrides=overrides, show_progress=not args.no_progress
+    )
+    code = supervisor.run()
+    run_dir = layout.run_dir(config)
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        print(json.dumps(summary, indent=2))
+    print(f"run directory: {run_dir}")
+    report = run_dir / "report"
+    if report.exists():
+        print(f"report: {report}")
+    return code

@@ -1,0 +1,81 @@
+"""The one interface every generation backend implements (built-in torch, transformers, vLLM).
+
+The rollout service drives an engine with add_request / step from one thread; update_weights
+may come from another thread (the weight receiver). It only stages the tensors; the engine
+applies them at its next safe point between decode steps, so a decode step never sees half
+of an update.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from pipeline.engines.errors import EngineStateError
+from pipeline.engines.types import GenerationOutput, GenerationRequest
+
+
+class Engine(ABC):
+    """Continuous-batching generator with versioned, in-flight weight updates."""
+
+    @abstractmethod
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; its params.n samples are admitted independently."""
+
+    @abstractmethod
+    def step(self) -> list[GenerationOutput]:
+        """Apply staged weights if due, admit waiting requests, decode one token for every
+        running sample; return the samples that finished in this step."""
+
+    @abstractmethod
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Stage a complete set of weights as policy `version`; applied by a later step()."""
+
+    @abstractmethod
+    def pause(self) -> None:
+        """Stop admitting and decoding; staged weights are still applied by step()."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """Undo pause()."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Policy version of the weights that the next decoded token will use."""
+
+    @property
+    @abstractmethod
+    def paused(self) -> bool: ...
+
+    @abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any sample is waiting or running."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook, most engines hold nothing to free)
+        """Release backend resources; idempotent."""
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+        """Run `requests` to completion; outputs in request order, then by sample_index.
+
+        Refused while paused (it would never finish) or while other requests are in flight
+        (their outputs would be returned to the wrong caller).
+        """
+        if self.paused:
+            raise EngineStateError("engine is paused; call resume() before generate()")
+        if self.has_unfinished():
+            raise EngineStateError(
+                "generate() needs an idle engine; drive in-flight requests with step() first"
+            )
+        order = {request.request_id: i for i, request in enumerate(requests)}
+        for request in requests:
+            self.add_request(request)
+        outputs: list[GenerationOutput] = []
+        while self.has_unfinished():
+            outputs.extend(self.step())
+        outputs.sort(key=lambda out: (order[out.request_id], out.sample_index))
+        return outputs

@@ -1,0 +1,442 @@
+"""The built-in engine: continuous batching on the native decoder with a slot KV cache.
+
+Each step (1) applies staged weights when due, (2) admits waiting samples into free slots
+with one batched, right-padded prefill that also samples their first token, and (3) decodes
+one token for every sample that was already running, in one batched forward of t = 1.
+Samples leave as soon as they emit a stop token or reach max_new_tokens, freeing their slot
+for the next waiting sample. Sampling, log-probs, stop detection and lengths stay on the
+device; a step synchronises with the host once, to learn which rows finished.
+
+Weight updates land between steps. kv_on_update="recompute" (default) re-prefills every
+running sample under the new weights before its next token, so each token tagged with
+version v is exactly a draw from policy v given its prefix; "keep" reuses the cached keys
+and values computed by the old weights (cheaper; later tokens then come from a mix of
+versions, as in PipelineRL). drain_on_update stops admitting while an update is pending and
+applies it once every running sample has finished, so no sample mixes versions.
+
+Determinism: sampling noise is a hash of (sample seed, token index, vocab id), see rng.py.
+A request with a seed gets the same tokens whatever it is batched with and whenever it is
+admitted (up to round-off of batched logits deciding near-ties); requests without a seed
+draw one from the engine's torch.Generator(config.seed) in add_request, so a run is
+reproducible from the engine seed and the order of requests. Temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from pipeline.engines.base import Engine
+from pipeline.engines.cuda_graphs import DecodeGraphs
+from pipeline.engines.errors import InvalidRequestError
+from pipeline.engines.rng import GumbelNoise, sample_key
+from pipeline.engines.sampling import RowParams, sample
+from pipeline.engines.slot_state import SlotState
+from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
+from pipeline.engines.weights import StagedWeights
+from pipeline.errors import ConfigError
+from pipeline.log import get_logger
+from pipeline.models import CausalLM, KVCache, load_model
+
+_log = get_logger("engines.torch")
+
+
+@dataclass(frozen=True)
+class TorchEngineConfig:
+    """Capacity and policy knobs of the built-in engine.
+
+    max_batch is the number of KV-cache slots (samples decoded together). max_prefill_tokens
+    bounds one prefill's padded size (rows x longest prompt); a single prompt is always
+    admitted. seed feeds the generator that seeds requests without their own seed.
+    """
+
+    max_batch: int = 32
+    max_seq_len: int = 2048
+    max_prefill_tokens: int = 16384
+    drain_on_update: bool = False
+    kv_on_update: Literal["recompute", "keep"] = "recompute"
+    use_cuda_graphs: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_seq_len", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_on_update not in ("recompute", "keep"):
+            raise ConfigError(
+                f"kv_on_update must be 'recompute' or 'keep', got {self.kv_on_update!r}"
+            )
+
+
+@dataclass
+class _Sample:
+    """Host bookkeeping of one sample.
+
+    Every running sample gains exactly one token per step, so its token count is known on
+    the host without reading the device: generated = engine clock - admit_clock.
+    """
+
+    request_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    key: int
+    max_new: int
+    slot: int = -1
+    admit_clock: int = 0
+
+    @property
+    def truncates(self) -> bool:
+        p = self.params
+        return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
+
+
+@dataclass
+class _RunningView:
+    """The running set as the decode step needs it; rebuilt only when the set changes."""
+
+    samples: list[_Sample]
+    slots: torch.Tensor  # (b,) slot of each sample, same order
+    max_offset: int  # max(prompt_len - admit_clock): kv_len = max_offset + clock
+    truncates: bool
+    all_greedy: bool
+
+
+class TorchEngine(Engine):
+    """Engine over a native `CausalLM` on CPU or CUDA.
+
+    Per step, Python work is proportional to the samples admitted or finished, not to the
+    batch: the decode path reuses a cached view of the running set and reads the device
+    once (indices of finished rows).
+    """
+
+    def __init__(self, model: CausalLM, config: TorchEngineConfig | None = None) -> None:
+        self.config = config or TorchEngineConfig()
+        cfg = self.config
+        self.model = model.eval()
+        self.device = model.lm_head.weight.device
+        self.vocab_size = model.config.vocab_size
+        self.cache = KVCache.for_model(
+            model.config,
+            num_slots=cfg.max_batch,
+            max_seq_len=cfg.max_seq_len,
+            dtype=model.lm_head.weight.dtype,
+            device=self.device,
+        )
+        self.state = SlotState(cfg.max_batch, cfg.max_seq_len, self.device)
+        self.noise = GumbelNoise(self.vocab_size, self.device)
+        self.weights = StagedWeights(model)
+        self.graphs: DecodeGraphs | None = None
+        if cfg.use_cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch)
+        self._seed_gen = torch.Generator().manual_seed(cfg.seed)
+        self._waiting: deque[_Sample] = deque()
+        self._running: dict[int, _Sample] = {}  # slot -> sample
+        self._view: _RunningView | None = None
+        self._free: list[int] = list(range(cfg.max_batch))  # min-heap of free slots
+        self._unfinished: dict[str, int] = {}  # request_id -> samples not yet returned
+        self._clock = 0  # steps that produced tokens
+        self._paused = False
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        config: TorchEngineConfig | None = None,
+    ) -> TorchEngine:
+        model = load_model(path, dtype=dtype, device=device)
+        assert isinstance(model, CausalLM)
+        return cls(model, config)
+
+    # -- Engine interface ------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        self.weights.stage(named_tensors, version)
+
+    def add_request(self, request: GenerationRequest) -> None:
+        params = request.params
+        prompt = list(request.prompt_ids)
+        max_len = self.config.max_seq_len
+        if request.request_id in self._unfinished:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
+        if len(prompt) > max_len:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: prompt of {len(prompt)} tokens exceeds "
+                f"max_seq_len={max_len}; raise max_seq_len or shorten the prompt"
+            )
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: prompt ids must lie in [0, {self.vocab_size})"
+            )
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen).item())
+        # the last token of a sample is never fed back, so it may sit at position max_seq_len
+        max_new = min(params.max_new_tokens, max_len - len(prompt) + 1)
+        for index in range(params.n):
+            key = sample_key(seed, index)
+            self._waiting.append(_Sample(request.request_id, index, prompt, params, key, max_new))
+        self._unfinished[request.request_id] = params.n
+
+    @torch.no_grad()
+    def step(self) -> list[GenerationOutput]:
+        self._apply_weights_if_due()
+        if self._paused:
+            return []
+        view = self._running_view()  # samples running before this step's admissions
+        admitted = self._admit()
+        flags: list[torch.Tensor] = []
+        if admitted:
+            flags.append(self._prefill(admitted))
+        if view.samples:
+            flags.append(self._decode(view))
+        if not flags:
+            return []
+        self._clock += 1
+        finished_rows = torch.cat(flags).nonzero().squeeze(1).tolist()  # the one host sync
+        k = len(admitted)
+        finished = [admitted[i] if i < k else view.samples[i - k] for i in finished_rows]
+        return self._finish(finished)
+
+    # -- scheduling ------------------------------------------------------------------------
+
+    def _generated(self, sample: _Sample) -> int:
+        return self._clock - sample.admit_clock
+
+    def _running_view(self) -> _RunningView:
+        if self._view is None:
+            samples = list(self._running.values())
+            self._view = _RunningView(
+                samples=samples,
+                slots=torch.tensor([s.slot for s in samples], dtype=torch.long, device=self.device),
+                max_offset=max((len(s.prompt_ids) - s.admit_clock for s in samples), default=0),
+                truncates=any(s.truncates for s in samples),
+                all_greedy=all(s.params.greedy for s in samples),
+            )
+        return self._view
+
+    def _apply_weights_if_due(self) -> None:
+        if not self.weights.has_pending():
+            return
+        if self.config.drain_on_update and self._running:
+            return  # _admit holds new samples back until the running ones finish
+        start = time.perf_counter()
+        version = self.weights.apply()
+        if self._running and self.config.kv_on_update == "recompute":
+            self._recompute_kv(list(self._running.values()))
+        _log.info(
+            "weights applied",
+            version=version,
+            running=len(self._running),
+            kv=self.config.kv_on_update,
+            seconds=round(time.perf_counter() - start, 4),
+        )
+
+    def _admit(self) -> list[_Sample]:
+        if self.config.drain_on_update and self.weights.has_pending():
+            return []
+        admitted: list[_Sample] = []
+        longest = 0
+        budget = self.config.max_prefill_tokens
+        while self._waiting and self._free:
+            nxt = self._waiting[0]
+            width = max(longest, len(nxt.prompt_ids))
+            if admitted and (len(admitted) + 1) * width > budget:
+                break
+            self._waiting.popleft()
+            nxt.slot = heapq.heappop(self._free)
+            nxt.admit_clock = self._clock
+            self._running[nxt.slot] = nxt
+            admitted.append(nxt)
+            longest = width
+        if admitted:
+            self._view = None
+            self._write_params(admitted)
+        return admitted
+
+    def _write_params(self, samples: list[_Sample]) -> None:
+        st, dev = self.state, self.device
+        slots = torch.tensor([s.slot for s in samples], device=dev)
+        st.temperature[slots] = torch.tensor(
+            [s.params.temperature for s in samples], dtype=torch.float32, device=dev
+        )
+        st.top_p[slots] = torch.tensor(
+            [s.params.top_p for s in samples], dtype=torch.float32, device=dev
+        )
+        st.top_k[slots] = torch.tensor([s.params.top_k for s in samples], device=dev)
+        st.keys[slots] = torch.tensor([s.key for s in samples], dtype=torch.int32, device=dev)
+        st.max_new[slots] = torch.tensor([s.max_new for s in samples], device=dev)
+        st.prompt_len[slots] = torch.tensor([len(s.prompt_ids) for s in samples], device=dev)
+        st.ensure_stop_width(max(len(s.params.stop_token_ids) for s in samples))
+        width = st.stop_ids.shape[1]
+        stops = [
+            [*s.params.stop_token_ids, *[-1] * (width - len(s.params.stop_token_ids))]
+            for s in samples
+        ]
+        st.stop_ids[slots] = torch.tensor(stops, dtype=torch.long, device=dev)
+
+    # -- forward passes --------------------------------------------------------------------
+
+    def _prefill(self, samples: list[_Sample]) -> torch.Tensor:
+        """Batched prefill of new samples, sampling their first token; finished flags (k,)."""
+        lengths = [len(s.prompt_ids) for s in samples]
+        width = max(lengths)
+        ids = torch.tensor(
+            [s.prompt_ids + [0] * (width - n) for s, n in zip(samples, lengths, strict=True)],
+            device=self.device,
+        )  # (k, width)
+        lens = torch.tensor(lengths, device=self.device)  # (k,)
+        cols = torch.arange(width, device=self.device)
+        positions = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1)  # (k, width)
+        slots = torch.tensor([s.slot for s in samples], device=self.device)  # (k,)
+        st = self.state
+        st.tokens[slots[:, None], torch.where(positions >= 0, positions, st.sink)] = ids
+        st.length[slots] = lens
+        logits = self.model.forward_cached(
+            ids, positions, slots, self.cache, kv_len=width, logits_at=lens - 1
+        )  # (k, vocab)
+        return self._emit(
+            slots,
+            logits,
+            truncate=any(s.truncates for s in samples),
+            all_greedy=all(s.params.greedy for s in samples),
+        )
+
+    def _decode(self, view: _RunningView) -> torch.Tensor:
+        """One token for every sample of `view`; finished flags (b,) in view order."""
+        st, slots = self.state, view.slots
+        last = st.length[slots] - 1  # (b,) position of the newest token, not yet cached
+        ids = st.tokens[slots, last][:, None]  # (b, 1)
+        positions = last[:, None]  # (b, 1)
+        kv_len = view.max_offset + self._clock
+        if self.graphs is not None:
+            logits = self.graphs(ids, positions, slots, kv_len)  # (b, vocab)
+        else:
+            logits = self.model.forward_cached(ids, positions, slots, self.cache, kv_len=kv_len)
+            logits = logits[:, 0]  # (b, vocab)
+        return self._emit(slots, logits, truncate=view.truncates, all_greedy=view.all_greedy)
+
+    def _emit(
+        self, slots: torch.Tensor, logits: torch.Tensor, *, truncate: bool, all_greedy: bool
+    ) -> torch.Tensor:
+        """Sample each row's next token, record it with its log-prob and version, and flag
+        the rows that finished (stop token or max_new reached)."""
+        st = self.state
+        length = st.length[slots]  # (b,) column of the new token
+        generated = length - st.prompt_len[slots]  # (b,) tokens before this one
+        params = RowParams(
+            temperature=st.temperature[slots],
+            top_p=st.top_p[slots],
+            top_k=st.top_k[slots],
+            keys=st.keys[slots],
+            token_index=generated,
+        )
+        tokens, logprobs = sample(  # (b,) each
+            logits, params, self.noise, truncate=truncate, all_greedy=all_greedy
+        )
+        st.tokens[slots, length] = tokens
+        st.logprobs[slots, length] = logprobs
+        st.versions[slots, length] = self.version
+        st.length[slots] = length + 1
+        hit_stop = (tokens[:, None] == st.stop_ids[slots]).any(dim=1)  # (b,)
+        return hit_stop | (generated + 1 >= st.max_new[slots])
+
+    def _recompute_kv(self, samples: list[_Sample]) -> None:
+        """Rebuild the cached keys/values of running samples under the current weights, in
+        prefill chunks of at most max_prefill_tokens padded tokens."""
+        budget = self.config.max_prefill_tokens
+        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + self._generated(s))
+        start = 0
+        while start < len(ordered):
+            end = start + 1
+            while end < len(ordered):
+                width = len(ordered[end].prompt_ids) + self._generated(ordered[end]) - 1
+                if (end - start + 1) * width > budget:
+                    break
+                end += 1
+            self._refill(ordered[start:end])
+            start = end
+
+    def _refill(self, samples: list[_Sample]) -> None:
+        slots = torch.tensor([s.slot for s in samples], device=self.device)  # (k,)
+        cached = self.state.length[slots] - 1  # (k,) tokens that belong in the cache
+        width = max(len(s.prompt_ids) + self._generated(s) for s in samples) - 1
+        cols = torch.arange(width, device=self.device)
+        positions = torch.where(cols[None, :] < cached[:, None], cols[None, :], -1)  # (k, w)
+        ids = self.state.tokens[slots, :width]  # (k, width)
+        self.model.forward_cached(
+            ids, positions, slots, self.cache, kv_len=width, logits_at=cached - 1
+        )
+
+    # -- results ---------------------------------------------------------------------------
+
+    def _finish(self, finished: list[_Sample]) -> list[GenerationOutput]:
+        if not finished:
+            return []
+        slots = torch.tensor([s.slot for s in finished], device=self.device)
+        end = max(len(s.prompt_ids) + self._generated(s) for s in finished)
+        tokens = self.state.tokens[slots, :end].tolist()
+        logprobs = self.state.logprobs[slots, :end].tolist()
+        versions = self.state.versions[slots, :end].tolist()
+        outputs = []
+        for s, tok, lp, ver in zip(finished, tokens, logprobs, versions, strict=True):
+            lo = len(s.prompt_ids)
+            hi = lo + self._generated(s)
+            out_ids = tok[lo:hi]
+            outputs.append(
+                GenerationOutput(
+                    request_id=s.request_id,
+                    sample_index=s.sample_index,
+                    prompt_ids=s.prompt_ids,
+                    output_ids=out_ids,
+                    logprobs=lp[lo:hi],
+                    token_versions=ver[lo:hi],
+                    finish_reason="stop" if out_ids[-1] in s.params.stop_token_ids else "length",
+                )
+            )
+            del self._running[s.slot]
+            heapq.heappush(self._free, s.slot)
+            left = self._unfinished[s.request_id] - 1
+            if left:
+                self._unfinished[s.request_id] = left
+            else:
+                del self._unfinished[s.request_id]
+        self._view = None
+        return outputs

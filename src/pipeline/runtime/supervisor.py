@@ -1,0 +1,229 @@
+"""The local supervisor: every service of the profile as its own OS process.
+
+It restarts a crashed service a bounded number of times, ends the run when the
+controller exits, and on Ctrl-C stops every child (SIGTERM, then SIGKILL after the
+deadline), always by process id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from pipeline.config import PipelineConfig
+from pipeline.config.schema import ROLES
+from pipeline.log import get_logger
+from pipeline.runtime import layout
+
+
+@dataclass
+class Child:
+    role: str
+    replica: int
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    log_file: IO[bytes] | None = None
+    exits: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.replica}"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        profile: str,
+        overrides: dict[str, str],
+        show_progress: bool = True,
+    ) -> None:
+        self.config = config
+        self.profile = profile
+        self.overrides = overrides
+        self.run_dir = layout.run_dir(config)
+        self.show_progress = show_progress
+        self.children: list[Child] = [
+            Child(role, i)
+            for role in ROLES
+            if role in config.services
+            for i in range(config.replicas(role))
+        ]
+        self.log = get_logger("supervisor")
+        self._stopping = False
+        self.events: list[dict[str, Any]] = []
+
+    def _argv(self, child: Child) -> list[str]:
+        args = [sys.executable, "-m", f"services.{child.role}", "--profile", self.profile]
+        args += ["--replica", str(child.replica)]
+        for key, value in self.overrides.items():
+            args += [f"--{key}", value]
+        return args
+
+    def start(self, child: Child) -> None:
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        if child.log_file is None:
+            child.log_file = open(logs / f"{child.name}.log", "ab")  # noqa: SIM115
+        env = dict(os.environ, PIPELINE_LOG_JSON="1", PYTHONUNBUFFERED="1")
+        child.proc = subprocess.Popen(
+            self._argv(child),
+            stdout=child.log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.log.info("service_started", service=child.name, pid=child.proc.pid)
+
+    def pids(self) -> dict[str, int]:
+        return {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}
+
+    def stop_all(self) -> None:
+        """SIGTERM every live child, SIGKILL what is left after the deadline. Idempotent."""
+        self._stopping = True
+        live = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for child in live:
+            self._signal(child, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.supervisor.stop_timeout_s
+        for child in live:
+            assert child.proc is not None
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log.warning("service_killed", service=child.name, pid=child.proc.pid)
+                self._signal(child, signal.SIGKILL)
+                child.proc.wait(timeout=5)
+        for child in self.children:
+            if child.log_file is not None:
+                child.log_file.close()
+                child.log_file = None
+
+    @staticmethod
+    def _signal(child: Child, sig: signal.Signals) -> None:
+        assert child.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.proc.pid, sig)
+
+    def _on_exit(self, child: Child, code: int) -> bool:
+        """Handle a child that exited; returns False when the run must end."""
+        child.exits.append(code)
+        self.events.append({"time": time.time(), "service": child.name, "exit": code})
+        if child.role == "controller":
+            self.log.info("controller_exited", code=code)
+            return False
+        if self._stopping:
+            return True
+        if child.restarts >= self.config.supervisor.max_restarts:
+            self.log.error("service_failed", service=child.name, code=code, restarts=child.restarts)
+            return False
+        child.restarts += 1
+        self.log.warning(
+            "service_restarting", service=child.name, code=code, attempt=child.restarts
+        )
+        time.sleep(self.config.supervisor.restart_backoff_s)
+        self.start(child)
+        return True
+
+    def run(self) -> int:
+        """Start everything, watch, and return the controller's exit code."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        previous = signal.getsignal(signal.SIGINT)
+        interrupted = False
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            nonlocal interrupted
+            interrupted = True
+
+        signal.signal(signal.SIGINT, on_sigint)
+        signal.signal(signal.SIGTERM, on_sigint)
+        progress = _Progress(self.run_dir, self.config) if self.show_progress else None
+        code = 1
+        try:
+            for child in self.children:
+                self.start(child)
+                if child.role == "controller":
+                    time.sleep(0.3)  # let it bind before the others say hello
+            while not interrupted:
+                if progress is not None:
+                    progress.update()
+                keep_going = True
+                for child in self.children:
+                    assert child.proc is not None
+                    rc = child.proc.poll()
+                    if rc is not None and not (child.role != "controller" and rc == 0):
+                        keep_going = self._on_exit(child, rc)
+                        if child.role == "controller":
+                            code = rc
+                        if not keep_going:
+                            break
+                if not keep_going:
+                    break
+                time.sleep(0.2)
+            if interrupted:
+                self.log.warning("interrupted", message="stopping every service")
+                code = 130
+        finally:
+            self.stop_all()
+            if progress is not None:
+                progress.update()
+                progress.close()
+            signal.signal(signal.SIGINT, previous)
+            (self.run_dir / "supervisor.json").write_text(
+                json.dumps(
+                    {
+                        "events": self.events,
+                        "restarts": {c.name: c.restarts for c in self.children},
+                    },
+                    indent=2,
+                )
+            )
+        return code
+
+
+class _Progress:
+    """A live bar fed by the controller's steps.jsonl: step, reward, KL, tokens/s, staleness."""
+
+    def __init__(self, run_dir: Path, config: PipelineConfig) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.path = run_dir / "metrics" / "steps.jsonl"
+        self.offset = 0
+        self.progress = Progress(
+            TextColumn("[bold]step {task.completed}/{task.total}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            transient=False,
+        )
+        self.task = self.progress.add_task("run", total=config.controller.steps, info="starting")
+        self.progress.start()
+
+    def update(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            lines = f.readlines()
+        for line in lines:
+            if not line.endswith("\n"):
+                break  # written halfway: read it next time
+            self.offset += len(line.encode())
+            rec = json.loads(line)
+            info = (
+                f"reward {rec.get('reward_mean', 0):.3f}  kl {rec.get('kl_k3', 0):.4f}  "
+                f"tok/s {rec.get('tokens_per_s', 0):.0f}  stale {rec.get('staleness_max', 0):.0f}"
+                f"  sync {rec.get('sync_seconds', 0) * 1000:.0f}ms"
+            )
+            self.progress.update(self.task, completed=rec["step"] + 1, info=info)
+
+    def close(self) -> None:
+        self.progress.stop()

@@ -1,0 +1,56 @@
+"""What a run trains on: prompts, tokenizer and model directory, made or loaded locally."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import PipelineConfig
+from pipeline.errors import ConfigError
+
+
+@dataclass
+class Task:
+    records: list[Any]
+    tokenizer: Any
+    model_dir: Path
+
+
+def model_dir(config: PipelineConfig, run_dir: Path) -> Path:
+    """The policy's local HF directory: the profile's, or the one made in the run dir."""
+    return Path(config.model.path) if config.model.path else run_dir / "model"
+
+
+def prepare_task(config: PipelineConfig, run_dir: Path) -> Task:
+    from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
+
+    directory = model_dir(config, run_dir)
+    if not config.model.path and not (directory / "tokenizer.json").exists():
+        save_char_tokenizer(directory)
+        if config.rollout.engine != "standin":
+            from pipeline.tiny_model import make_tiny_model
+
+            make_tiny_model(
+                directory, vocab_size=len(load_tokenizer(directory)), seed=config.run.seed
+            )
+    elif config.model.path and not directory.exists():
+        raise ConfigError(
+            f"model.path {directory} does not exist; point it at a local HF directory"
+        )
+    tokenizer = load_tokenizer(directory)
+    dataset = config.task.dataset
+    if dataset == "toy_reverse":
+        from pipeline.data.toy_task import make_toy_dataset
+
+        records = make_toy_dataset(config.task.dataset_size, seed=config.run.seed)
+    else:
+        from pipeline.data.loader import load_prompts
+
+        if not Path(dataset).exists():
+            raise ConfigError(
+                f"task.dataset {dataset!r} is neither 'toy_reverse' nor an existing "
+                ".parquet/.jsonl file"
+            )
+        records = load_prompts(dataset, tokenizer=tokenizer)
+    return Task(records=records, tokenizer=tokenizer, model_dir=directory)

@@ -1,0 +1,140 @@
+"""TrainerConfig: optimisation and batching knobs shared by the policy and critic trainers.
+
+Algorithm knobs (clip ratios, KL, estimators) live in `pipeline.algorithms.AlgorithmConfig`;
+this holds only what decides *how* a batch is pushed through the model and the optimiser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+
+from pipeline.errors import ConfigError
+
+Schedule = Literal["constant", "linear", "cosine"]
+SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_SECTION = "trainer"
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """How to train: optimiser, LR schedule, PPO epochs, batching, precision, placement."""
+
+    # optimiser
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0  # None: no clipping (the norm is still reported)
+    # schedule (in optimizer steps; total_steps is needed by linear/cosine)
+    schedule: Schedule = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    min_lr_ratio: float = 0.0
+    # batching
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    max_tokens_per_micro_batch: int = 4096
+    infer_max_tokens_per_micro_batch: int = 0  # no-grad forwards; 0: same as training
+    padding_free: bool = True
+    shuffle: bool = False  # permute samples each epoch (seeded by seed, step, epoch)
+    logprob_chunk_tokens: int = 1024
+    temperature: float = 1.0  # the sampler's, so PPO ratios use its distribution
+    # precision and placement; "auto": float32 on CPU, bfloat16 params on CUDA
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
+    activation_checkpointing: bool = False
+    compile: bool = False
+    # reference model: None keeps one only when the algorithm needs it (KL loss / reward)
+    keep_reference: bool | None = None
+    # reporting: peak FLOP/s of one device (0 disables MFU, e.g. on CPU)
+    peak_flops: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> TrainerConfig:
+        """Build from a profile table; unknown keys are errors so typos fail at startup."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown key(s) {', '.join(f'{_SECTION}.{k}' for k in unknown)}; "
+                f"use one of: {', '.join(sorted(known))}"
+            )
+        values = dict(raw)
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad key."""
+        if not self.lr > 0:
+            raise ConfigError(f"set {_SECTION}.lr to a value > 0 (got {self.lr})")
+        if self.weight_decay < 0:
+            raise ConfigError(f"set {_SECTION}.weight_decay >= 0 (got {self.weight_decay})")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"set {_SECTION}.betas to two numbers in [0, 1) (got {self.betas})")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"set {_SECTION}.grad_clip > 0 or null (got {self.grad_clip})")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"set {_SECTION}.schedule to one of {SCHEDULES} (got {self.schedule!r})"
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"set {_SECTION}.warmup_steps >= 0 (got {self.warmup_steps})")
+        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"{_SECTION}.schedule={self.schedule!r} decays over total_steps; set "
+                f"{_SECTION}.total_steps > warmup_steps (got {self.total_steps})"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"set {_SECTION}.min_lr_ratio in [0, 1] (got {self.min_lr_ratio})")
+        for key in ("ppo_epochs", "mini_batches", "max_tokens_per_micro_batch"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"set {_SECTION}.{key} to an integer >= 1 (got {value!r})")
+        if self.infer_max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"set {_SECTION}.infer_max_tokens_per_micro_batch >= 0 (0: same)")
+        if self.logprob_chunk_tokens < 1:
+            raise ConfigError(f"set {_SECTION}.logprob_chunk_tokens >= 1")
+        if not self.temperature > 0:
+            raise ConfigError(f"set {_SECTION}.temperature > 0 (got {self.temperature})")
+        if self.param_dtype != "auto" and self.param_dtype not in _DTYPES:
+            raise ConfigError(f"set {_SECTION}.param_dtype to auto/float32/bfloat16/float16")
+        if self.reduce_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"set {_SECTION}.reduce_dtype to float32 or bfloat16")
+        if self.peak_flops < 0:
+            raise ConfigError(f"set {_SECTION}.peak_flops >= 0 (0 disables MFU)")
+
+    def replace(self, **changes: Any) -> TrainerConfig:
+        """A validated copy with some fields changed."""
+        config = dataclasses.replace(self, **changes)
+        config.validate()
+        return config
+
+    @property
+    def infer_tokens(self) -> int:
+        """Token budget of no-grad forwards (log-probs, values)."""
+        return self.infer_max_tokens_per_micro_batch or self.max_tokens_per_micro_batch
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """Parameter dtype used in forward/backward (master weights stay float32)."""
+        if self.param_dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.reduce_dtype]

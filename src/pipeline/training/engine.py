@@ -1,0 +1,271 @@
+"""A trainable model with its sharding, optimizer, LR schedule and the update step.
+
+Shared by the policy and the critic trainers: placement (FSDP2 when the default process
+group has more than one rank), mixed precision, gradient clipping, skipping non-finite
+updates, and checkpoint save/resume of all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.algorithms import LossAggMode
+from pipeline.log import get_logger
+from pipeline.models import CausalLM, DecoderBase, parallelize
+from pipeline.training.batch import ExperienceBatch
+from pipeline.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from pipeline.training.config import TrainerConfig
+from pipeline.training.distributed import (
+    DistInfo,
+    all_reduce_ints,
+    build_mesh,
+    is_distributed,
+)
+from pipeline.training.export import export_hf
+from pipeline.training.metrics import MetricSums
+from pipeline.training.micro_batching import MicroBatch, plan_step
+from pipeline.training.optim import build_optimizer, build_scheduler, clip_grad_norm
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What happened to one optimizer step."""
+
+    grad_norm: float
+    skipped: bool  # non-finite loss or gradient: no update
+    lr: float
+
+
+# (device micro-batch, host micro-batch) -> (loss or None for a dummy, anchor, metrics); the
+# anchor (0 * outputs) is backpropagated only for dummies, to run FSDP's collectives
+MicroLoss = Callable[[MicroBatch, MicroBatch], tuple[Tensor | None, Tensor, dict[str, Tensor]]]
+
+
+@dataclass
+class EpochStats:
+    """Counts over all PPO epochs of one train step (identical on every rank)."""
+
+    updates: int = 0
+    skipped: int = 0
+    grad_norms: list[float] = field(default_factory=list)  # of applied updates
+    local_tokens: int = 0  # prompt + response tokens this rank pushed through backward
+
+
+def place_model(
+    model: DecoderBase, config: TrainerConfig, info: DistInfo, *, trainable: bool
+) -> DecoderBase:
+    """Move to the device in float32 (master weights) and shard with FSDP2 when distributed.
+
+    Under FSDP the compute dtype comes from the mixed-precision policy; a single process
+    uses autocast instead (see TrainEngine.autocast). A frozen model gets no gradients.
+    """
+    model = model.to(device=info.device, dtype=torch.float32)
+    if isinstance(model, CausalLM):
+        model.tie_weights()  # a conversion may have replaced the shared parameter
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    if is_distributed():
+        parallelize(
+            model,
+            build_mesh(info),
+            param_dtype=config.compute_dtype(info.device),
+            reduce_dtype=config.reduce_torch_dtype,
+            activation_checkpointing=config.activation_checkpointing and trainable,
+            compile=config.compile,
+        )
+    else:
+        for block in model.model.layers:
+            block.activation_checkpointing = config.activation_checkpointing and trainable  # type: ignore[union-attr]
+        if config.compile:
+            for block in model.model.layers:
+                block.compile()
+    return model
+
+
+@contextlib.contextmanager
+def autocast_for(config: TrainerConfig, info: DistInfo) -> Iterator[None]:
+    """Low-precision compute for a single unsharded process (FSDP casts by itself)."""
+    dtype = config.compute_dtype(info.device)
+    if is_distributed() or dtype == torch.float32:
+        yield
+        return
+    with torch.autocast(device_type=info.device.type, dtype=dtype):
+        yield
+
+
+class TrainEngine:
+    """Model + AdamW + LambdaLR with a skip-on-non-finite update."""
+
+    def __init__(
+        self, model: DecoderBase, config: TrainerConfig, info: DistInfo, *, name: str
+    ) -> None:
+        self.config = config
+        self.info = info
+        self.name = name
+        self.log = get_logger(f"training.{name}", rank=info.rank)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.model = place_model(model, config, info, trainable=True)
+        self.optimizer = build_optimizer(self.model, config)
+        self.scheduler = build_scheduler(self.optimizer, config)
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self.train_steps = 0  # train_step calls completed (the trainer's step counter)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        return autocast_for(self.config, self.info)
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def apply_gradients(self, local_nonfinite: bool, *, empty: bool = False) -> UpdateOutcome:
+        """Clip, then step the optimizer and schedule, unless the loss on any rank or the
+        global gradient norm is non-finite: then the gradients are dropped and the step is
+        counted as skipped, so one bad batch cannot poison the weights or Adam's moments."""
+        norm = clip_grad_norm(self.model.parameters(), self.config.grad_clip)
+        any_bad = all_reduce_ints([int(local_nonfinite)], "max")[0] > 0
+        grad_norm = float(norm)
+        skipped = any_bad or not torch.isfinite(norm).item()
+        if skipped:
+            self.skipped_steps += 1
+            self.log.warning(
+                "skipping optimizer step: non-finite loss or gradient",
+                nonfinite_loss=any_bad,
+                grad_norm=grad_norm,
+                skipped_total=self.skipped_steps,
+            )
+        elif not empty:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return UpdateOutcome(grad_norm=grad_norm, skipped=skipped, lr=self.lr)
+
+    def epoch_order(self, n: int, epoch: int) -> list[int]:
+        """Sample order of one PPO epoch: identity, or a permutation seeded by (seed, step,
+        epoch) so that a resumed run shuffles exactly like an uninterrupted one."""
+        if not self.config.shuffle:
+            return list(range(n))
+        seed = (self.config.seed * 1_000_003 + self.train_steps * 1_009 + epoch) % 2**63
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def run_epochs(
+        self,
+        batch: ExperienceBatch,
+        loss_agg_mode: LossAggMode,
+        micro_loss: MicroLoss,
+        sums: MetricSums,
+    ) -> EpochStats:
+        """PPO epochs x mini-batches (one optimizer step each) x weighted micro-batches.
+
+        Each micro-batch metric is added times the micro-batch's share of its global
+        mini-batch, so after the cross-rank sum it is a mean over mini-batches * updates.
+        """
+        cfg = self.config
+        stats = EpochStats()
+        plans = None
+        for epoch in range(cfg.ppo_epochs):
+            if plans is None or cfg.shuffle:
+                plans = plan_step(
+                    batch,
+                    num_mini_batches=cfg.mini_batches,
+                    max_tokens=cfg.max_tokens_per_micro_batch,
+                    loss_agg_mode=loss_agg_mode,
+                    order=self.epoch_order(batch.num_samples, epoch),
+                    padding_free=cfg.padding_free,
+                    world_size=self.info.world_size,
+                    reduce=all_reduce_ints,
+                )
+            for plan in plans:
+                bad = torch.zeros((), dtype=torch.bool, device=self.info.device)
+                for mb, weight, share in zip(
+                    plan.micro_batches, plan.weights, plan.shares, strict=True
+                ):
+                    with self.autocast():
+                        loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
+                    if loss is None:
+                        anchor.backward()
+                        continue
+                    (loss * weight).backward()
+                    bad |= ~torch.isfinite(loss.detach())
+                    stats.local_tokens += mb.num_tokens
+                    for key, value in metrics.items():
+                        sums.add(key, value * share)
+                outcome = self.apply_gradients(bool(bad), empty=plan.global_units == 0)
+                stats.updates += 1
+                stats.skipped += int(outcome.skipped)
+                if not outcome.skipped:
+                    stats.grad_norms.append(outcome.grad_norm)
+        return stats
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "optimizer_steps": self.optimizer_steps,
+            "skipped_steps": self.skipped_steps,
+            "train_steps": self.train_steps,
+        }
+
+    def save(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        extra: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+    ) -> Path:
+        """Checkpoint at the current train step (collective: every rank calls it)."""
+        return save_checkpoint(
+            root,
+            self.train_steps,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            trainer_state=self.trainer_state(),
+            extra=extra,
+            keep_last=keep_last,
+        )
+
+    def load(self, root: str | os.PathLike[str], *, step: int | None = None) -> LoadedCheckpoint:
+        """Resume model, optimizer, schedule, RNG and counters (collective)."""
+        loaded = load_checkpoint(
+            root,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            step=step,
+        )
+        state = loaded.trainer_state
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.train_steps = int(state.get("train_steps", loaded.step))
+        return loaded
+
+    def export_hf(self, path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> None:
+        """HF safetensors of the current weights (collective; rank 0 writes)."""
+        export_hf(self.model, path, dtype=dtype)
+
+
+def perf_metrics(
+    tokens: float, elapsed_s: float, num_params: int, world_size: int, peak_flops: float
+) -> dict[str, float]:
+    """Throughput of a step; MFU = 6 * params * tokens / time / (world * peak) when the
+    peak is known (forward + backward of the trained tokens; recompute forwards excluded)."""
+    elapsed_s = max(elapsed_s, 1e-9)
+    out = {
+        "perf/tokens": tokens,
+        "perf/step_time_s": elapsed_s,
+        "perf/tokens_per_s": tokens / elapsed_s,
+    }
+    if peak_flops > 0:
+        out["perf/mfu"] = 6.0 * num_params * tokens / elapsed_s / (world_size * peak_flops)
+    return out

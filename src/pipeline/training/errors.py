@@ -1,0 +1,17 @@
+"""Typed errors of the training library."""
+
+from __future__ import annotations
+
+from pipeline.errors import PipelineError
+
+
+class TrainingError(PipelineError):
+    """A batch or trainer state cannot be trained on; the message says what to fix."""
+
+
+class BatchError(TrainingError):
+    """An ExperienceBatch is malformed (shapes, dtypes, missing fields)."""
+
+
+class CheckpointStateError(TrainingError):
+    """A training checkpoint is missing, incomplete, or was written by an incompatible run."""

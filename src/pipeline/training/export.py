@@ -1,0 +1,48 @@
+"""Export the (possibly FSDP-sharded) weights as a Hugging Face checkpoint directory.
+
+The full state dict is gathered to rank 0's CPU memory and poured into a meta-device twin
+of the model with `assign=True` (no second copy), which `pipeline.models.save_model` then
+writes as config.json + safetensors that transformers' `from_pretrained` and vLLM load.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from pipeline.models import CausalLM, DecoderBase, ValueModel, save_model
+from pipeline.training.distributed import barrier, current_dist_info, is_distributed
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU tensors on rank 0 (empty on other ranks); collective when distributed."""
+    if not is_distributed():
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def export_hf(
+    model: DecoderBase, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
+) -> None:
+    """Write `path` as a HF checkpoint of `model`'s current weights (every rank must call).
+
+    `dtype` casts the exported tensors (e.g. bfloat16 for serving); default: as trained.
+    """
+    state = full_state_dict(model)
+    if current_dist_info("cpu").is_main:
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        # type(model) may be FSDP's dynamic subclass; build the plain class
+        cls: type[DecoderBase] = ValueModel if isinstance(model, ValueModel) else CausalLM
+        with torch.device("meta"):
+            twin = cls(model.config)
+        if isinstance(twin, CausalLM) and model.config.tie_word_embeddings:
+            state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+        twin.load_state_dict(state, strict=True, assign=True)
+        if isinstance(twin, CausalLM):
+            twin.tie_weights()
+        save_model(twin, path)
+    barrier()

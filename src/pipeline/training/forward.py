@@ -1,0 +1,64 @@
+"""One micro-batch through a model: per-response-token log-probs, entropy or values.
+
+Calls the model's own FSDP-registered methods (token_logprobs, forward_packed, forward) so
+sharded parameters are gathered inside a hooked call, then gathers the positions that
+predict response tokens into the (m, r) layout of the batch's per-token fields.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pipeline.models import CausalLM, ValueModel
+from pipeline.training.micro_batching import MicroBatch
+
+
+def micro_logprobs(
+    model: CausalLM,
+    mb: MicroBatch,
+    *,
+    chunk_tokens: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(logp (m, r), entropy (m, r) or None, anchor) for a micro-batch.
+
+    `anchor` is a scalar 0 * sum(outputs): for an empty (dummy) micro-batch it is the only
+    thing to backpropagate, which keeps FSDP's collectives in step with the other ranks.
+    """
+    out = model.token_logprobs(
+        mb.input_ids,
+        mb.target_ids,
+        position_ids=mb.position_ids,
+        attention_mask=mb.attention_mask,
+        cu_seqlens=mb.cu_seqlens,
+        chunk_tokens=chunk_tokens,
+        temperature=temperature,
+        return_entropy=with_entropy,
+    )
+    if with_entropy:
+        logp_all, ent_all = out  # type: ignore[misc]
+    else:
+        logp_all, ent_all = out, None  # type: ignore[assignment]
+    anchor = logp_all.sum() * 0.0
+    if ent_all is not None:
+        anchor = anchor + ent_all.sum() * 0.0
+    logp = mb.gather(logp_all)  # (m, r)
+    entropy = None if ent_all is None else mb.gather(ent_all)  # (m, r)
+    return logp, entropy, anchor
+
+
+def micro_values(model: ValueModel, mb: MicroBatch) -> tuple[Tensor, Tensor]:
+    """(values (m, r) before each response token, anchor) for a micro-batch."""
+    if mb.cu_seqlens is not None:
+        per_position = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+    else:
+        per_position = model(mb.input_ids, mb.position_ids, mb.attention_mask)
+    anchor = per_position.sum() * 0.0
+    return mb.gather(per_position).float(), anchor
+
+
+def masked_fill_zero(t: Tensor, mask: Tensor) -> Tensor:
+    """Zero where mask is False (no NaN survives from padding)."""
+    return torch.where(mask.bool(), t, torch.zeros((), dtype=t.dtype, device=t.device))

@@ -1,0 +1,298 @@
+"""Mini-batches, token-budget micro-batches, padding-free packing, and accumulation weights.
+
+Splitting is deterministic: mini-batches are contiguous slices (after an optional seeded
+permutation), micro-batches come from first-fit-decreasing on sequence length with ties
+broken by index. Under FSDP every rank must run the same number of forward/backward passes,
+so the micro-batch count of each mini-batch is agreed across ranks (the maximum) and ranks
+with fewer fill up by splitting their largest micro-batches, then with empty ones that run a
+one-token dummy forward whose loss is multiplied by zero.
+
+Gradient accumulation weights make the summed micro-batch losses equal the loss of the whole
+global mini-batch: a micro-batch loss aggregated over its own tokens (or sequences) is
+scaled by its share of the global mini-batch's tokens (sequences), times the world size
+because FSDP averages gradients over ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pipeline.algorithms import LossAggMode
+from pipeline.training.batch import ExperienceBatch
+from pipeline.training.errors import BatchError
+
+IntsReducer = Callable[[list[int], str], list[int]]
+
+
+def _local_reduce(values: list[int], op: str) -> list[int]:
+    return list(values)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The inputs of one forward pass and how to map its outputs back to (m, r) responses.
+
+    Packed: input_ids/target_ids/position_ids (1, T) with cu_seqlens (m + 1,).
+    Padded: (m, S) right-padded with attention_mask (m, S).
+    gather_index (m, r) indexes input_ids.view(-1): the position whose output predicts (or
+    values) each response token; r is the longest response in this micro-batch.
+    """
+
+    sample_indices: Tensor  # (m,) rows of the ExperienceBatch
+    input_ids: Tensor
+    target_ids: Tensor
+    position_ids: Tensor
+    gather_index: Tensor  # (m, r)
+    cu_seqlens: Tensor | None = None  # (m + 1,) int64, packed only
+    attention_mask: Tensor | None = None  # (m, S), padded only
+    num_tokens: int = 0  # real (prompt + response) tokens
+
+    @property
+    def is_empty(self) -> bool:
+        """A dummy that only keeps FSDP collectives in step with the other ranks."""
+        return self.sample_indices.numel() == 0
+
+    @property
+    def width(self) -> int:
+        return self.gather_index.shape[1]
+
+    def fields(self, t: Tensor) -> Tensor:
+        """A batch's (n, R) field restricted to this micro-batch: (m, r)."""
+        return t[self.sample_indices.to(t.device), : self.width]
+
+    def gather(self, per_position: Tensor) -> Tensor:
+        """Per-position model output shaped like input_ids -> (m, r) response layout."""
+        flat = per_position.reshape(-1)
+        return flat[self.gather_index.to(flat.device)]
+
+    def to(self, device: torch.device) -> MicroBatch:
+        def mv(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return MicroBatch(
+            sample_indices=self.sample_indices,
+            input_ids=mv(self.input_ids),  # type: ignore[arg-type]
+            target_ids=mv(self.target_ids),  # type: ignore[arg-type]
+            position_ids=mv(self.position_ids),  # type: ignore[arg-type]
+            gather_index=self.gather_index.to(device),
+            cu_seqlens=mv(self.cu_seqlens),
+            attention_mask=mv(self.attention_mask),
+            num_tokens=self.num_tokens,
+        )
+
+
+def _sequences(batch: ExperienceBatch, indices: Sequence[int]) -> list[Tensor]:
+    return [torch.cat([batch.prompt_ids[i], batch.response_ids[i]]) for i in indices]
+
+
+def _gather_index(batch: ExperienceBatch, indices: Sequence[int], starts: Sequence[int]) -> Tensor:
+    """(m, r) flat positions predicting each response token; padding points at 0 (masked)."""
+    lengths = batch.response_lengths[list(indices)] if indices else torch.zeros(0, dtype=torch.long)
+    width = int(lengths.max()) if len(indices) else 0
+    prompt_lens = batch.prompt_lengths[list(indices)] if indices else lengths
+    j = torch.arange(width)[None, :]  # (1, r)
+    base = torch.as_tensor(list(starts), dtype=torch.long) + prompt_lens - 1  # (m,)
+    index = base[:, None] + j  # (m, r)
+    return torch.where(j < lengths[:, None], index, 0)
+
+
+def _dummy() -> MicroBatch:
+    one = torch.zeros(1, 1, dtype=torch.long)
+    return MicroBatch(
+        sample_indices=torch.zeros(0, dtype=torch.long),
+        input_ids=one,
+        target_ids=one,
+        position_ids=one,
+        gather_index=torch.zeros(0, 0, dtype=torch.long),
+        cu_seqlens=torch.tensor([0, 1]),
+    )
+
+
+def pack_padding_free(batch: ExperienceBatch, indices: Sequence[int]) -> MicroBatch:
+    """Concatenate the samples into one (1, T) row with cu_seqlens and per-sequence positions.
+
+    No padding is computed: attention is block-diagonal causal. Each sequence's last target
+    is a placeholder (0) since nothing after it is scored.
+    """
+    if not indices:
+        return _dummy()
+    seqs = _sequences(batch, indices)
+    lengths = [s.numel() for s in seqs]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long)
+    ids = torch.cat(seqs)  # (T,)
+    targets = torch.cat([torch.cat([s[1:], s.new_zeros(1)]) for s in seqs])  # (T,)
+    positions = torch.cat([torch.arange(n) for n in lengths])  # (T,)
+    return MicroBatch(
+        sample_indices=torch.as_tensor(list(indices), dtype=torch.long),
+        input_ids=ids[None],
+        target_ids=targets[None],
+        position_ids=positions[None],
+        gather_index=_gather_index(batch, indices, cu[:-1].tolist()),
+        cu_seqlens=cu,
+        num_tokens=int(cu[-1]),
+    )
+
+
+def pack_padded(batch: ExperienceBatch, indices: Sequence[int]) -> MicroBatch:
+    """Right-padded (m, S) fallback for attention kernels without packing support."""
+    if not indices:
+        return _dummy()
+    seqs = _sequences(batch, indices)
+    lengths = torch.tensor([s.numel() for s in seqs])
+    width = int(lengths.max())
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    targets = torch.zeros_like(ids)
+    for row, s in enumerate(seqs):
+        ids[row, : s.numel()] = s
+        targets[row, : s.numel() - 1] = s[1:]
+    attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # (m, S)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (m, S)
+    starts = [row * width for row in range(len(seqs))]
+    return MicroBatch(
+        sample_indices=torch.as_tensor(list(indices), dtype=torch.long),
+        input_ids=ids,
+        target_ids=targets,
+        position_ids=positions,
+        gather_index=_gather_index(batch, indices, starts),
+        attention_mask=attention_mask,
+        num_tokens=int(lengths.sum()),
+    )
+
+
+def split_mini_batches(order: Sequence[int], num_mini_batches: int) -> list[list[int]]:
+    """Contiguous, near-equal slices of `order` (sizes differ by at most one, larger first)."""
+    n = len(order)
+    base, extra = divmod(n, num_mini_batches)
+    out, start = [], 0
+    for m in range(num_mini_batches):
+        size = base + (1 if m < extra else 0)
+        out.append(list(order[start : start + size]))
+        start += size
+    return out
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], max_tokens: int, min_count: int = 0
+) -> list[list[int]]:
+    """Positions of `lengths` grouped into micro-batches of at most `max_tokens` tokens.
+
+    First-fit-decreasing (longest first, ties by position) keeps the count near minimal; a
+    sequence longer than the budget gets a micro-batch of its own. With `min_count` the
+    largest multi-sequence micro-batches are halved, then empty ones appended, until there
+    are that many. Each micro-batch lists its positions in increasing order.
+    """
+    if max_tokens < 1:
+        raise BatchError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    while len(bins) < min_count:
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        if not splittable:
+            break
+        b = max(splittable, key=lambda k: (loads[k], -k))
+        items = bins[b]  # longest first: alternate to balance the halves
+        first, second = items[0::2], items[1::2]
+        bins[b], loads[b] = first, sum(lengths[i] for i in first)
+        bins.append(second)
+        loads.append(sum(lengths[i] for i in second))
+    bins.extend([] for _ in range(min_count - len(bins)))
+    return [sorted(b) for b in bins]
+
+
+def loss_units(mask: Tensor, loss_agg_mode: LossAggMode) -> int:
+    """What the loss averages over: valid tokens (token-mean) or sequences with one."""
+    if loss_agg_mode == "token-mean":
+        return int(mask.sum())
+    return int(mask.bool().any(dim=-1).sum())
+
+
+def micro_batch_weight(local_units: int, global_units: int, world_size: int) -> float:
+    """Scale of a micro-batch's own-mean loss so the sum over micro-batches and ranks (with
+    FSDP's gradient averaging) is the mean over the whole global mini-batch."""
+    if global_units <= 0:
+        return 0.0
+    return local_units / global_units * world_size
+
+
+@dataclass(frozen=True)
+class MiniBatchPlan:
+    """One optimizer step's micro-batches and their accumulation weights."""
+
+    micro_batches: list[MicroBatch]
+    weights: list[float]  # per micro-batch
+    shares: list[float]  # per micro-batch: its share of the global mini-batch (weights / W)
+    global_units: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(mb.num_tokens for mb in self.micro_batches)
+
+
+def pack(batch: ExperienceBatch, indices: Sequence[int], padding_free: bool) -> MicroBatch:
+    return pack_padding_free(batch, indices) if padding_free else pack_padded(batch, indices)
+
+
+def plan_forward(
+    batch: ExperienceBatch,
+    max_tokens: int,
+    *,
+    padding_free: bool = True,
+    reduce: IntsReducer = _local_reduce,
+) -> list[MicroBatch]:
+    """Micro-batches covering the whole batch for a no-grad forward (same count on all ranks)."""
+    lengths = batch.seq_lengths
+    bins = plan_micro_batches(lengths, max_tokens)
+    count = reduce([len(bins)], "max")[0]
+    bins = plan_micro_batches(lengths, max_tokens, min_count=count)
+    return [pack(batch, b, padding_free) for b in bins]
+
+
+def plan_step(
+    batch: ExperienceBatch,
+    *,
+    num_mini_batches: int,
+    max_tokens: int,
+    loss_agg_mode: LossAggMode,
+    order: Sequence[int] | None = None,
+    padding_free: bool = True,
+    world_size: int = 1,
+    reduce: IntsReducer = _local_reduce,
+) -> list[MiniBatchPlan]:
+    """Mini-batches (contiguous in `order`) of weighted micro-batches, agreed across ranks.
+
+    Two small collectives per call: the micro-batch counts (max) and the loss units of each
+    global mini-batch (sum), both as one vector.
+    """
+    order = list(range(batch.num_samples)) if order is None else list(order)
+    minis = split_mini_batches(order, num_mini_batches)
+    lengths = batch.seq_lengths
+    local_bins = [plan_micro_batches([lengths[i] for i in mini], max_tokens) for mini in minis]
+    counts = reduce([len(b) for b in local_bins], "max")
+    units = [loss_units(batch.response_mask[mini], loss_agg_mode) for mini in minis]
+    global_units = reduce(units, "sum")
+    plans = []
+    for mini, count, total in zip(minis, counts, global_units, strict=True):
+        bins = plan_micro_batches([lengths[i] for i in mini], max_tokens, min_count=count)
+        micro, weights, shares = [], [], []
+        for b in bins:
+            indices = [mini[p] for p in b]
+            local = loss_units(batch.response_mask[indices], loss_agg_mode) if indices else 0
+            micro.append(pack(batch, indices, padding_free))
+            weights.append(micro_batch_weight(local, total, world_size))
+            shares.append(micro_batch_weight(local, total, 1))
+        plans.append(MiniBatchPlan(micro, weights, shares, total))
+    return plans

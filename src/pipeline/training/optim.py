@@ -1,0 +1,90 @@
+"""AdamW, gradient-norm clipping (DTensor-aware) and warmup + constant/linear/cosine LR."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+
+from pipeline.training.config import TrainerConfig
+
+
+def build_optimizer(model: nn.Module, config: TrainerConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters.
+
+    fused/foreach kernels are GPU paths; on CPU the plain per-parameter loop is used, which
+    also keeps CPU runs bit-reproducible across checkpoint restarts.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    on_cuda = any(p.device.type == "cuda" for p in params)
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        foreach=on_cuda,
+        fused=False,
+    )
+    init_adam_state(optimizer)
+    return optimizer
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam's state (step 0, zero moments) exactly as its first step would.
+
+    DCP's get_state_dict otherwise initialises an empty optimizer with a fake zero-lr step,
+    which leaves step = 1: a checkpoint saved before the first update would then change
+    the bias correction of every later update.
+    """
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p not in optimizer.state:
+                optimizer.state[p] = {
+                    "step": torch.tensor(0.0, dtype=scalar),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+
+
+def lr_lambda(config: TrainerConfig) -> Callable[[int], float]:
+    """LR multiplier per optimizer step: linear warmup to 1, then constant/linear/cosine decay
+    to min_lr_ratio at total_steps. Warmup starts at 1/warmup (not 0) so no step is wasted."""
+    warmup, total, floor = config.warmup_steps, config.total_steps, config.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if config.schedule == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainerConfig) -> LambdaLR:
+    return LambdaLR(optimizer, lr_lambda(config))
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Clip gradients to `max_norm` (None: only measure) and return the total norm, a plain
+    scalar tensor even for FSDP2 DTensor gradients (the all-reduce happens here).
+
+    A non-finite norm is returned as is; the caller decides to skip the step.
+    """
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    limit = math.inf if max_norm is None else max_norm
+    norm = torch.nn.utils.clip_grad_norm_(grads, limit, foreach=grads[0].device.type == "cuda")
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm.detach()

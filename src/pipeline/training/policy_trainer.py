@@ -1,0 +1,346 @@
+"""The learner: decoupled, KL-regularised PPO updates of a causal LM (FSDP2 when distributed).
+
+One `train_step(batch)`:
+  1. proximal log-probs are recomputed with the current weights (no grad): the PPO ratio is
+     taken against them, while truncated importance weights behaviour -> proximal correct
+     for the sampler's staleness and numerics (decoupled PPO, Hilton et al. 2022);
+  2. advantages come with the batch (from the critic) or, for grpo/rloo, from scores;
+  3. PPO epochs x mini-batches x token-budget micro-batches: clipped surrogate, optional KL
+     loss to the frozen reference, optional entropy bonus, each micro-batch weighted so
+     the accumulated gradient is that of the whole global mini-batch;
+  4. clip, step (skipped when the loss or gradient norm is non-finite), LR schedule.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.algorithms import (
+    AlgorithmConfig,
+    agg_loss,
+    kl_estimate,
+    kl_loss,
+    masked_sum,
+    mismatch_metrics,
+    ppo_policy_loss,
+    truncated_is_weights,
+)
+from pipeline.errors import ConfigError
+from pipeline.models import CausalLM, load_model
+from pipeline.training.advantages import group_advantages
+from pipeline.training.batch import ExperienceBatch
+from pipeline.training.checkpoint import LoadedCheckpoint
+from pipeline.training.config import TrainerConfig
+from pipeline.training.distributed import DistInfo, all_reduce_ints, current_dist_info
+from pipeline.training.engine import TrainEngine, autocast_for, perf_metrics, place_model
+from pipeline.training.errors import BatchError
+from pipeline.training.forward import micro_logprobs
+from pipeline.training.metrics import MetricSums
+from pipeline.training.micro_batching import MicroBatch, plan_forward
+
+_MICRO_KEYS = (
+    "actor/loss",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/clip_frac",
+    "actor/clip_frac_lower",
+    "actor/approx_kl",
+)
+_BATCH_KEYS = (
+    "batch/samples",
+    "batch/response_tokens",
+    "batch/score_sum",
+    "mismatch/kl",
+    "mismatch/mean_abs_diff",
+    "mismatch/truncated_frac",
+    "actor/is_weight_mean",
+    "perf/tokens",
+)
+_KL_KEYS = ("kl/k1", "kl/k2", "kl/k3")
+
+
+def _load_causal_lm(model: str | os.PathLike[str] | CausalLM) -> CausalLM:
+    if isinstance(model, CausalLM):
+        return model
+    loaded = load_model(model, dtype=torch.float32)
+    assert isinstance(loaded, CausalLM)
+    return loaded
+
+
+class PolicyTrainer:
+    """Policy model + frozen reference + optimizer; see the module docstring for a step."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | CausalLM,
+        config: TrainerConfig | None = None,
+        algorithm: AlgorithmConfig | None = None,
+        *,
+        dist: DistInfo | None = None,
+    ) -> None:
+        """`model`: a local HF directory (loaded in float32 as master weights) or a CausalLM
+        (sharded in place when distributed). Every rank of the default group must build one."""
+        self.config = config or TrainerConfig()
+        self.algorithm = algorithm or AlgorithmConfig()
+        self.config.validate()
+        self.algorithm.validate()
+        self.info = dist or current_dist_info(self.config.device)
+        policy = _load_causal_lm(model)
+        keep_ref = self.config.keep_reference
+        if keep_ref is None:
+            keep_ref = self.algorithm.use_kl_loss or self.algorithm.kl_penalty_in_reward
+        reference = copy.deepcopy(policy) if keep_ref else None
+        self.engine = TrainEngine(policy, self.config, self.info, name="policy")
+        self.reference: CausalLM | None = (
+            place_model(reference, self.config, self.info, trainable=False)  # type: ignore[assignment]
+            if reference is not None
+            else None
+        )
+
+    # -- state --------------------------------------------------------------------------
+
+    @property
+    def model(self) -> CausalLM:
+        return self.engine.model  # type: ignore[return-value]
+
+    @property
+    def step(self) -> int:
+        """train_step calls completed (restored by load_checkpoint)."""
+        return self.engine.train_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    # -- no-grad forwards -------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: ExperienceBatch) -> Tensor:
+        """Learner log-probs of the response tokens with the current weights, (n, R) float32."""
+        return self._logprobs(self.model, batch)
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: ExperienceBatch) -> Tensor:
+        """Reference-model log-probs of the response tokens, (n, R) float32."""
+        if self.reference is None:
+            raise ConfigError(
+                "this PolicyTrainer keeps no reference model; set trainer.keep_reference=true "
+                "(or enable algorithm.use_kl_loss / kl_penalty_in_reward)"
+            )
+        return self._logprobs(self.reference, batch)
+
+    def _logprobs(self, model: CausalLM, batch: ExperienceBatch) -> Tensor:
+        cfg = self.config
+        out = torch.zeros(batch.num_samples, batch.max_response_len)  # (n, R)
+        plan = plan_forward(
+            batch, cfg.infer_tokens, padding_free=cfg.padding_free, reduce=all_reduce_ints
+        )
+        for mb in plan:
+            with autocast_for(cfg, self.info):
+                logp, _, _ = micro_logprobs(
+                    model,
+                    mb.to(self.info.device),
+                    chunk_tokens=cfg.logprob_chunk_tokens,
+                    temperature=cfg.temperature,
+                )
+            if mb.is_empty:
+                continue
+            mask = mb.fields(batch.response_mask)
+            out[mb.sample_indices, : mb.width] = torch.where(mask, logp.float().cpu(), 0.0)
+        return out
+
+    # -- training -----------------------------------------------------------------------
+
+    def train_step(self, batch: ExperienceBatch) -> dict[str, float]:
+        """One PPO update on this rank's share of the batch; returns global metrics."""
+        start = time.perf_counter()
+        alg = self.algorithm
+        if batch.advantages is None:
+            if alg.advantage_estimator not in ("grpo", "rloo"):
+                raise BatchError(
+                    f"advantage_estimator={alg.advantage_estimator!r} takes advantages from "
+                    "the critic; the batch has none (run CriticTrainer.compute_advantages)"
+                )
+            batch = group_advantages(batch, alg)
+        mask = batch.response_mask
+        prox = self.compute_logprobs(batch)  # (n, R)
+        ref = batch.ref_logprobs
+        if ref is None and self.reference is not None:
+            ref = self.ref_logprobs(batch)
+        if alg.use_kl_loss and ref is None:
+            raise ConfigError(
+                "algorithm.use_kl_loss needs reference log-probs: put ref_logprobs on the batch "
+                "or keep a reference model (trainer.keep_reference)"
+            )
+        is_w = truncated_is_weights(
+            prox, batch.behaviour_logprobs, mask, cap=alg.is_cap, level=alg.is_level
+        )  # (n, R)
+        micro_keys = [*_MICRO_KEYS, *(["actor/kl_loss"] if alg.use_kl_loss else [])]
+        kl_keys = list(_KL_KEYS) if ref is not None else []
+        sums = MetricSums(
+            [*micro_keys, *_BATCH_KEYS, *kl_keys], ["mismatch/max_abs_diff"], self.info.device
+        )
+        self._batch_metrics(sums, batch, prox, ref, is_w)
+        inputs = {"prox": prox, "is_w": is_w, "ref": ref, "adv": batch.advantages}
+
+        def micro_loss(
+            dev: MicroBatch, host: MicroBatch
+        ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+            return self._micro_loss(dev, host, batch, inputs)
+
+        stats = self.engine.run_epochs(batch, alg.loss_agg_mode, micro_loss, sums)
+        sums.add("perf/tokens", float(stats.local_tokens))
+        self.engine.train_steps += 1
+        raw = sums.reduce()
+        return self._finish_metrics(raw, stats, kl_keys, time.perf_counter() - start)
+
+    def _micro_loss(
+        self,
+        dev: MicroBatch,
+        host: MicroBatch,
+        batch: ExperienceBatch,
+        inputs: dict[str, Tensor | None],
+    ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+        cfg, alg = self.config, self.algorithm
+        logp, entropy, anchor = micro_logprobs(
+            self.model,
+            dev,
+            chunk_tokens=cfg.logprob_chunk_tokens,
+            temperature=cfg.temperature,
+            with_entropy=True,
+        )
+        if host.is_empty:
+            return None, anchor, {}
+        assert entropy is not None
+
+        def take(t: Tensor | None) -> Tensor:
+            assert t is not None
+            return host.fields(t).to(self.info.device)
+
+        mask = take(batch.response_mask)  # (m, r)
+        pg_loss, pg_metrics = ppo_policy_loss(
+            logp,
+            take(inputs["prox"]),
+            take(inputs["adv"]),
+            mask,
+            clip_ratio_low=alg.clip_ratio_low,
+            clip_ratio_high=alg.clip_ratio_high,
+            clip_ratio_c=alg.clip_ratio_c,
+            loss_agg_mode=alg.loss_agg_mode,
+            is_weights=take(inputs["is_w"]),
+        )
+        entropy_mean = agg_loss(entropy, mask, alg.loss_agg_mode)
+        loss = pg_loss - alg.entropy_coef * entropy_mean
+        metrics = {
+            "actor/pg_loss": pg_loss.detach(),
+            "actor/entropy": entropy_mean.detach(),
+            "actor/clip_frac": pg_metrics.clip_frac,
+            "actor/clip_frac_lower": pg_metrics.clip_frac_lower,
+            "actor/approx_kl": pg_metrics.approx_kl,
+        }
+        if alg.use_kl_loss:
+            kl = kl_loss(
+                logp,
+                take(inputs["ref"]),
+                mask,
+                estimator=alg.kl_estimator,
+                loss_agg_mode=alg.loss_agg_mode,
+            )
+            loss = loss + alg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl.detach()
+        metrics["actor/loss"] = loss.detach()
+        return loss, anchor, metrics
+
+    @torch.no_grad()
+    def _batch_metrics(
+        self,
+        sums: MetricSums,
+        batch: ExperienceBatch,
+        prox: Tensor,
+        ref: Tensor | None,
+        is_w: Tensor,
+    ) -> None:
+        """Token sums of the sampler/learner mismatch and of the KL to the reference."""
+        alg = self.algorithm
+        mask = batch.response_mask
+        tokens = float(mask.sum())
+        sums.add("batch/samples", float(batch.num_samples))
+        sums.add("batch/response_tokens", tokens)
+        sums.add("batch/score_sum", batch.scores.double().sum())
+        mm = mismatch_metrics(
+            prox, batch.behaviour_logprobs, mask, cap=alg.is_cap, level=alg.is_level
+        )
+        sums.add("mismatch/kl", mm.kl * tokens)
+        sums.add("mismatch/mean_abs_diff", mm.mean_abs_diff * tokens)
+        sums.add("mismatch/truncated_frac", mm.truncated_frac * tokens)
+        sums.max("mismatch/max_abs_diff", mm.max_abs_diff)
+        sums.add("actor/is_weight_mean", masked_sum(is_w, mask))
+        if ref is not None:
+            for est in ("k1", "k2", "k3"):
+                sums.add(f"kl/{est}", masked_sum(kl_estimate(prox, ref, est), mask))  # type: ignore[arg-type]
+
+    def _finish_metrics(
+        self, raw: dict[str, float], stats: Any, kl_keys: list[str], elapsed: float
+    ) -> dict[str, float]:
+        tokens = max(raw.pop("batch/response_tokens"), 1.0)
+        samples = max(raw.pop("batch/samples"), 1.0)
+        updates = max(stats.updates, 1)
+        out: dict[str, float] = {}
+        for key in ("mismatch/kl", "mismatch/mean_abs_diff", "mismatch/truncated_frac"):
+            out[key] = raw.pop(key) / tokens
+        out["mismatch/max_abs_diff"] = raw.pop("mismatch/max_abs_diff")
+        out["actor/is_weight_mean"] = raw.pop("actor/is_weight_mean") / tokens
+        for key in kl_keys:
+            out[key] = raw.pop(key) / tokens
+        out["batch/score_mean"] = raw.pop("batch/score_sum") / samples
+        out["batch/response_length_mean"] = tokens / samples
+        out.update(
+            perf_metrics(
+                raw.pop("perf/tokens"),
+                elapsed,
+                self.engine.num_params,
+                self.info.world_size,
+                self.config.peak_flops,
+            )
+        )
+        for key, value in raw.items():  # per-micro-batch means over updates
+            out[key] = value / updates
+        norms = stats.grad_norms
+        out["actor/grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
+        out["actor/lr"] = self.engine.lr
+        out["actor/updates"] = float(stats.updates)
+        out["actor/skipped_updates"] = float(stats.skipped)
+        out["actor/skipped_steps_total"] = float(self.engine.skipped_steps)
+        out["actor/step"] = float(self.engine.train_steps)
+        return out
+
+    # -- persistence --------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        extra: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+    ) -> Path:
+        """`<root>/step_<step>/` with weights, Adam state, LR schedule, RNG, counters and
+        the caller's JSON `extra` (collective). The reference model is not saved: it is
+        rebuilt from the initial weights the trainer is constructed with."""
+        return self.engine.save(root, extra=extra, keep_last=keep_last)
+
+    def load_checkpoint(
+        self, root: str | os.PathLike[str], *, step: int | None = None
+    ) -> LoadedCheckpoint:
+        """Resume from `latest` (or `step`); returns the step and the caller's `extra`."""
+        return self.engine.load(root, step=step)
+
+    def export_hf(self, path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> None:
+        """HF safetensors of the current policy (collective; rank 0 writes)."""
+        self.engine.export_hf(path, dtype)

@@ -1,0 +1,31 @@
+"""Weight sync: the learner publishes new weights to rollout engines in resharded buckets.
+
+See `publisher.py` (learner), `receiver.py` (engine) and ARCHITECTURE.md "Weight sync".
+"""
+
+from pipeline.weights.apply import ApplyFn, SafePointApply, copy_into
+from pipeline.weights.config import GroupOptions, PublishConfig, SyncTimeouts
+from pipeline.weights.hub import WeightHub
+from pipeline.weights.plan import BucketPlan, Chunk, TensorSpec
+from pipeline.weights.publisher import SyncReport, WeightPublisher
+from pipeline.weights.receiver import WeightReceiver
+from pipeline.weights.validate import ParamSpec, params_of, validate_meta
+
+__all__ = [
+    "ApplyFn",
+    "BucketPlan",
+    "Chunk",
+    "GroupOptions",
+    "ParamSpec",
+    "PublishConfig",
+    "SafePointApply",
+    "SyncReport",
+    "SyncTimeouts",
+    "TensorSpec",
+    "WeightHub",
+    "WeightPublisher",
+    "WeightReceiver",
+    "copy_into",
+    "params_of",
+    "validate_meta",
+]

@@ -1,0 +1,160 @@
+"""The weight group: learner sender rank(s) + every engine rank, apart from the FSDP group.
+
+It is built straight from a `TCPStore` (hosted by learner rank 0) through a `PrefixStore`
+per generation, as a bare `ProcessGroupGloo` / `ProcessGroupNCCL` backend: the default
+process group is never touched, so engines need no `init_process_group` and the learner's
+FSDP world is unaffected. It is stateless across generations: when engines join or leave,
+every member drops its backend and builds generation g+1 under a fresh prefix.
+Collectives are called on the backend object directly (`Backend.broadcast`), which needs
+no registration in torch.distributed's world.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.errors import ConfigError, WeightSyncError
+from pipeline.log import get_logger
+from pipeline.weights.config import GroupOptions
+from pipeline.weights.wire import GroupAssign
+
+log = get_logger("weights.group")
+
+
+class StoreHost:
+    """The rendezvous store, hosted once by learner rank 0 and reused by every generation."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0) -> None:
+        self.store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.host = host
+        self.port = int(self.store.port)
+
+
+def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the learner's store (keep it: re-connecting costs a round trip)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _gloo(store: dist.Store, spec: GroupAssign, options: GroupOptions) -> Any:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if options.interface:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=options.interface)]
+    elif options.hostname:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=options.hostname)]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, spec.rank, spec.world, opts)
+
+
+def _nccl(store: dist.Store, spec: GroupAssign, options: GroupOptions, device: torch.device) -> Any:
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        raise ConfigError("this torch build has no NCCL; use transport gloo on CPU")
+    if options.interface:
+        os.environ["NCCL_SOCKET_IFNAME"] = options.interface
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
+    torch.cuda.set_device(device)
+    pg = dist.ProcessGroupNCCL(store, spec.rank, spec.world, opts)
+    pg.eager_connect_single_device(device)
+    return pg
+
+
+class WeightGroup:
+    """One generation of the weight group, as seen by one member."""
+
+    def __init__(self, backend: Any, spec: GroupAssign, device: torch.device) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.device = device
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    def owner(self, bucket: int) -> int:
+        """Group rank that broadcasts `bucket`: round robin over the learner senders."""
+        return bucket % self.spec.senders
+
+    @classmethod
+    def build(
+        cls,
+        store: dist.Store,
+        spec: GroupAssign,
+        *,
+        device: torch.device,
+        options: GroupOptions = GroupOptions(),
+        wait_arrivals: bool = True,
+    ) -> WeightGroup:
+        """Join generation `spec.generation`. With `wait_arrivals` every member first waits
+        (up to `rendezvous_s`) until all members announced themselves in the store: a
+        missing engine is then named instead of surfacing as an anonymous connect timeout,
+        and the backend's own connect runs only once everyone is there."""
+        prefix = dist.PrefixStore(f"weights/g{spec.generation}/", store)
+        prefix.set(f"arrived/{spec.rank}", str(os.getpid()))
+        if wait_arrivals:
+            deadline = time.monotonic() + spec.rendezvous_s
+            missing = list(range(spec.world))
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not prefix.check([f"arrived/{r}"])]
+                if missing:
+                    time.sleep(0.01)
+            if missing:
+                names = ", ".join(spec.members[r] for r in missing)
+                raise WeightSyncError(
+                    "group",
+                    names,
+                    f"did not arrive at weight group generation {spec.generation} within "
+                    f"{spec.rendezvous_s:.1f}s",
+                )
+        t0 = time.perf_counter()
+        if spec.backend == "gloo":
+            backend = _gloo(prefix, spec, options)
+        elif spec.backend == "nccl":
+            backend = _nccl(prefix, spec, options, device)
+        else:
+            raise ConfigError(f"weight group backend {spec.backend!r}; use gloo or nccl")
+        log.info(
+            "weight_group_built",
+            generation=spec.generation,
+            rank=spec.rank,
+            world=spec.world,
+            backend=spec.backend,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
+        return cls(backend, spec, device)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        """Async broadcast from group rank `src`; returns the backend's Work."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = datetime.timedelta(seconds=self.spec.timeout_s)
+        return self.backend.broadcast([tensor], opts)
+
+    def close(self) -> None:
+        """Drop the backend: peers blocked on us fail at once instead of at their timeout."""
+        backend, self.backend = self.backend, None
+        if backend is None:
+            return
+        try:
+            backend.abort()
+        except Exception as exc:  # not every backend/build implements abort
+            log.debug("weight_group_abort_failed", error=str(exc))
+        del backend

@@ -1,0 +1,447 @@
+"""WeightPublisher: the learner's side of a weight update (call `publish` on EVERY rank).
+
+One publish, in phases (each with its own deadline, each failure naming its phase):
+  group    rebuild the weight group when membership changed or the last sync failed
+  meta     rank 0 sends WeightMeta; every engine validates it and answers; then go/abort
+  buckets  per bucket: FSDP all_gather (cast first) -> rank 0 (or the owning rank when
+           striped) packs one flat buffer -> async broadcast on the weight group; two slots,
+           so gathering bucket k+1 overlaps sending bucket k
+  done     rank 0 waits for every engine's WeightDone (sent after its last bucket landed
+           and the update was applied)
+Only rank 0 talks to engines; it shares decisions with the other learner ranks through
+`LearnerComm`, so every rank enters the same collectives in the same order and every rank
+raises the same WeightSyncError. After any failure the weight group is dropped (which
+unblocks peers at once) and rebuilt under a new generation by the next publish, without
+the engines that did not answer; an engine that registers again is included then.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import msgspec
+import torch
+from torch import nn
+
+from pipeline.errors import ConfigError, WeightSyncError
+from pipeline.log import get_logger
+from pipeline.messages import Hello, WeightDone, WeightMeta
+from pipeline.weights.checksum import checksum
+from pipeline.weights.config import PublishConfig, resolve_transport
+from pipeline.weights.cuda_ipc import IpcSender, IpcSlots
+from pipeline.weights.gather import BucketGatherer, pack
+from pipeline.weights.group import WeightGroup, store_client
+from pipeline.weights.hub import WeightHub
+from pipeline.weights.learner_comm import LearnerComm
+from pipeline.weights.plan import BucketPlan, TensorSpec
+from pipeline.weights.wire import (
+    GroupAssign,
+    IpcBuffers,
+    MetaAccepted,
+    MetaRejected,
+    Received,
+    SyncGo,
+)
+
+log = get_logger("weights.publisher")
+
+
+class _Failure(msgspec.Struct):
+    phase: str
+    peer: str
+    detail: str
+
+
+def _failure_text(phase: str, peer: str, detail: str) -> str:
+    return msgspec.json.encode(_Failure(phase, peer, detail)).decode()
+
+
+@dataclass
+class SyncReport:
+    version: int
+    engines: list[str]
+    generation: int
+    transport: str
+    bytes: int
+    buckets: int
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class WeightPublisher:
+    """Publishes the current parameters as version `v` to every registered engine."""
+
+    def __init__(
+        self,
+        params: nn.Module | Mapping[str, torch.Tensor],
+        *,
+        hub: WeightHub | None,
+        config: PublishConfig = PublishConfig(),
+        learner_group: Any = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self._source = params
+        named = self._named()
+        if not named:
+            raise ConfigError("nothing to publish: the model has no parameters")
+        specs = [TensorSpec(n, tuple(p.shape), config.dtype) for n, p in named.items()]
+        self.plan = BucketPlan.build(
+            specs,
+            bucket_bytes=config.bucket_bytes,
+            align=config.align,
+            split_large=config.split_large,
+        )
+        self.gatherer = BucketGatherer(self.plan, named)
+        self.device = next(iter(named.values())).device
+        self.transport = resolve_transport(config.transport, self.device)
+        if self.transport == "cuda_ipc" and self.device.type != "cuda":
+            raise ConfigError("transport cuda_ipc needs the learner's parameters on a GPU")
+        self.comm = LearnerComm(learner_group)
+        if self.comm.rank == 0 and hub is None:
+            raise ConfigError("learner rank 0 needs a WeightHub to publish weights")
+        self.hub = hub if self.comm.rank == 0 else None
+        self.senders = self.comm.world if config.striped else 1
+        self.group: WeightGroup | None = None
+        self.members: list[str] = []
+        self.generation = 0
+        self._slots: list[torch.Tensor] = []
+        self._ipc: IpcSlots | None = None
+        self._dirty = True
+        self._chunk_index = {c: i for i, c in enumerate(self.plan.chunks)}
+
+    def _named(self) -> dict[str, torch.Tensor]:
+        if isinstance(self._source, nn.Module):
+            return dict(self._source.named_parameters())
+        return dict(self._source)
+
+    @property
+    def participates(self) -> bool:
+        """This learner rank is a member of the weight group (rank 0, or all when striped)."""
+        return self.comm.rank < self.senders
+
+    # ------------------------------------------------------------------ publish
+
+    def publish(self, version: int) -> SyncReport:
+        """Collective over the learner ranks; raises WeightSyncError on every rank alike."""
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+        self.gatherer.refresh(self._named())
+        head = [0, 0, 0]
+        if self.hub is not None:
+            self.hub.poll()
+            names = self.hub.names()
+            rebuild = self._dirty or self.hub.changed or names != self.members
+            head = [len(names), int(rebuild), self.hub.generation + int(rebuild)]
+        count, rebuild, generation = self.comm.bcast_ints(head)
+        if count == 0:
+            log.info("weight_sync_skipped", version=version, reason="no engine registered")
+            return SyncReport(version, [], self.generation, self.transport, 0, 0, 0.0)
+        if rebuild:
+            self._rebuild(generation)
+        phases["group"] = time.perf_counter() - t0
+        checksums = self._checksums() if self.config.verify else None
+        t = time.perf_counter()
+        self._meta_round(version, checksums)
+        phases["meta"] = time.perf_counter() - t
+        t = time.perf_counter()
+        failure = self._move_buckets(version)
+        failed_anywhere = self.comm.any_true(failure is not None)
+        phases["buckets"] = time.perf_counter() - t
+        t = time.perf_counter()
+        outcome = self._finish(version, failure, failed_anywhere) if self.hub is not None else ""
+        outcome = self.comm.bcast_text(outcome)
+        phases["done"] = time.perf_counter() - t
+        if outcome:
+            self._fail(outcome)
+        seconds = time.perf_counter() - t0
+        report = SyncReport(
+            version,
+            list(self.members),
+            self.generation,
+            self.transport,
+            self.plan.total_bytes,
+            self.plan.num_buckets,
+            seconds,
+            {k: round(v, 6) for k, v in phases.items()},
+        )
+        log.info(
+            "weight_sync",
+            version=version,
+            engines=len(report.engines),
+            bytes=report.bytes,
+            buckets=report.buckets,
+            seconds=round(seconds, 4),
+            gbps=round(report.gbps, 3),
+            transport=self.transport,
+            striped=self.config.striped,
+            phases=report.phases,
+        )
+        return report
+
+    def _fail(self, text: str) -> NoReturn:
+        self._close_group()
+        self._dirty = True
+        f = msgspec.json.decode(text, type=_Failure)
+        log.error("weight_sync_failed", phase=f.phase, peer=f.peer, detail=f.detail)
+        raise WeightSyncError(f.phase, f.peer, f.detail)
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    # ------------------------------------------------------------------ group
+
+    def _rebuild(self, generation: int) -> None:
+        self._close_group()
+        error, spec_text = "", ""
+        if self.hub is not None:
+            hub = self.hub
+            names = hub.names()
+            t = self.config.timeouts
+            base = GroupAssign(
+                generation=generation,
+                rank=0,
+                world=self.senders + len(names),
+                senders=self.senders,
+                members=[f"learner-{r}" for r in range(self.senders)] + names,
+                backend=self.transport,
+                store_host=hub.store.host,
+                store_port=hub.store.port,
+                timeout_s=t.bucket_s,
+                rendezvous_s=t.group_s,
+            )
+            unreachable = [
+                n
+                for i, n in enumerate(names)
+                if not hub.send(n, msgspec.structs.replace(base, rank=self.senders + i))
+            ]
+            if unreachable:
+                for n in unreachable:
+                    hub.drop(n, "not connected when the weight group was rebuilt")
+                error = _failure_text("group", ", ".join(unreachable), "engine not connected")
+            hub.generation, hub.changed = generation, False
+            self.members = names
+            spec_text = msgspec.json.encode(base).decode()
+        error = self.comm.bcast_text(error)
+        if error:
+            self._fail(error)
+        spec = msgspec.json.decode(self.comm.bcast_text(spec_text), type=GroupAssign)
+        self.generation = generation
+        local: WeightSyncError | None = None
+        if self.participates:
+            try:
+                self._join(msgspec.structs.replace(spec, rank=self.comm.rank))
+            except WeightSyncError as exc:
+                local = exc
+            except Exception as exc:
+                local = WeightSyncError("group", f"learner-{self.comm.rank}", str(exc))
+        if self.comm.any_true(local is not None):
+            text = ""
+            if self.hub is not None:
+                exc = local or WeightSyncError("group", "learner", "another learner rank failed")
+                text = _failure_text("group", exc.peer, str(exc))
+            self._fail(self.comm.bcast_text(text))
+        self._dirty = False
+
+    def _join(self, spec: GroupAssign) -> None:
+        if self.transport == "cuda_ipc":
+            assert self.hub is not None
+            if self._ipc is None:
+                self._ipc = IpcSlots(self.plan.max_bucket, self.device)
+            msg = IpcBuffers(generation=spec.generation, slots=self._ipc.handles)
+            for name in self.members:
+                self.hub.send(name, msg)
+            return
+        store = (
+            self.hub.store.store
+            if self.hub is not None
+            else store_client(spec.store_host, spec.store_port, spec.rendezvous_s)
+        )
+        self.group = WeightGroup.build(
+            store, spec, device=self.device, options=self.config.group, wait_arrivals=True
+        )
+
+    # ------------------------------------------------------------------ meta
+
+    @torch.no_grad()
+    def _checksums(self) -> list[int] | None:
+        """Verify mode: one extra gather pass so WeightMeta can carry per-entry checksums."""
+        sums = [0] * len(self.plan.chunks)
+        scratch = self._buffers()[0] if self.hub is not None else None
+        for k, size in enumerate(self.plan.bucket_sizes):
+            gathered = self.gatherer.gather(k)
+            if scratch is None:
+                continue
+            buf = scratch[:size]
+            pack(gathered, self.plan.by_bucket[k], self.gatherer.dtype, buf)
+            for c in self.plan.by_bucket[k]:
+                sums[self._chunk_index[c]] = checksum(buf[c.offset : c.offset + c.nbytes])
+        return sums if scratch is not None else None
+
+    def _meta_round(self, version: int, checksums: list[int] | None) -> None:
+        text = ""
+        if self.hub is not None:
+            text = self._meta_rank0(self.hub, version, checksums)
+        text = self.comm.bcast_text(text)
+        if text:
+            self._fail(text)
+
+    def _meta_rank0(self, hub: WeightHub, version: int, checksums: list[int] | None) -> str:
+        meta = WeightMeta(
+            version=version,
+            entries=self.plan.entries(checksums),
+            bucket_sizes=list(self.plan.bucket_sizes),
+            transport=self.transport,
+            verify=self.config.verify,
+        )
+        attempt = {n: hub.send(n, meta) for n in self.members}
+        rejected: dict[str, str] = {}
+        restarted: set[str] = set()
+
+        def on_reply(name: str, rcv: Received) -> bool:
+            ctl = rcv.control
+            if isinstance(ctl, MetaAccepted) and ctl.attempt == attempt[name]:
+                return True
+            if isinstance(ctl, MetaRejected) and ctl.attempt == attempt[name]:
+                rejected[name] = ctl.error
+                return True
+            if isinstance(rcv.message.body, Hello):
+                restarted.add(name)
+                return True
+            return False
+
+        timeout = self.config.timeouts.meta_s
+        answered = hub.collect([n for n in self.members if attempt[n]], timeout, on_reply)
+        silent = [n for n in self.members if n not in answered]
+        proceed = not silent and not rejected and not restarted
+        for name in self.members:
+            if name not in restarted:
+                hub.send(name, SyncGo(version=version, attempt=attempt[name], proceed=proceed))
+        if proceed:
+            return ""
+        for name in silent:
+            hub.drop(name, f"no answer to WeightMeta v{version} within {timeout:.1f}s")
+        for name, error in rejected.items():
+            hub.drop(name, error, rejoin=False)
+        details = [f"{n}: {e}" for n, e in rejected.items()]
+        details += [f"{n}: no answer within {timeout:.1f}s" for n in silent]
+        details += [f"{n}: restarted" for n in sorted(restarted)]
+        peers = [*rejected, *silent, *sorted(restarted)]
+        return _failure_text("meta", ", ".join(peers), "; ".join(details))
+
+    # ------------------------------------------------------------------ buckets
+
+    def _buffers(self) -> list[torch.Tensor]:
+        if self.transport == "cuda_ipc" and self._ipc is not None:
+            return self._ipc.buffers
+        if not self._slots:
+            self._slots = [
+                torch.empty(self.plan.max_bucket, dtype=torch.uint8, device=self.device)
+                for _ in range(2)
+            ]
+        return self._slots
+
+    @torch.no_grad()
+    def _move_buckets(self, version: int) -> tuple[str, str] | None:
+        """Gather every bucket (all ranks) and send the ones this rank owns. Returns the
+        first local failure as (peer, detail); after it no more weight collectives."""
+        if not self.participates:
+            for k in range(self.plan.num_buckets):
+                self.gatherer.gather(k)
+            return None
+        slots = self._buffers()
+        ipc = None
+        if self.transport == "cuda_ipc":
+            assert self.hub is not None
+            ipc = IpcSender(self.hub, self.members, version, self.config.timeouts.bucket_s)
+        works: list[Any] = [None, None]
+        failure: tuple[str, str] | None = None
+        for k, size in enumerate(self.plan.bucket_sizes):
+            gathered = self.gatherer.gather(k)
+            if failure is not None:
+                continue  # keep joining the FSDP gathers so the other ranks do not block
+            slot = k % 2
+            try:
+                if works[slot] is not None:
+                    work, works[slot] = works[slot], None
+                    work.wait()
+                buf = slots[slot][:size]
+                owner = k % self.senders
+                if owner == self.comm.rank:
+                    pack(gathered, self.plan.by_bucket[k], self.gatherer.dtype, buf)
+                if ipc is not None:
+                    works[slot] = ipc.send(k, slot, buf)
+                else:
+                    assert self.group is not None
+                    works[slot] = self.group.broadcast(buf, owner)
+            except Exception as exc:
+                peer = exc.peer if isinstance(exc, WeightSyncError) else "weight-group"
+                failure = (peer, f"bucket {k} of {self.plan.num_buckets}: {exc}")
+                self._drain(works)
+                self._close_group()  # peers blocked on us fail now, not at their timeout
+        failure = self._drain(works) if failure is None else failure
+        return failure
+
+    def _drain(self, works: list[Any]) -> tuple[str, str] | None:
+        first = None
+        for i, work in enumerate(works):
+            works[i] = None
+            if work is None:
+                continue
+            try:
+                work.wait()
+            except Exception as exc:
+                peer = exc.peer if isinstance(exc, WeightSyncError) else "weight-group"
+                first = first or (peer, f"last buckets: {exc}")
+        if first is not None:
+            self._close_group()
+        return first
+
+    # ------------------------------------------------------------------ done
+
+    def _finish(self, version: int, failure: tuple[str, str] | None, failed_anywhere: bool) -> str:
+        assert self.hub is not None
+        t = self.config.timeouts
+        timeout = t.bucket_s if failed_anywhere else t.apply_s
+        failed: dict[str, str] = {}
+
+        def on_reply(name: str, rcv: Received) -> bool:
+            body = rcv.message.body
+            if isinstance(body, WeightDone) and body.version == version:
+                if not body.ok:
+                    failed[name] = body.error
+                return True
+            if isinstance(body, Hello):
+                failed[name] = "restarted during the update"
+                return True
+            return False
+
+        answered = self.hub.collect(self.members, timeout, on_reply)
+        silent = [n for n in self.members if n not in answered]
+        if not (failed_anywhere or failed or silent):
+            return ""
+        for name in silent:
+            self.hub.drop(name, f"no WeightDone for v{version} within {timeout:.1f}s")
+        if failed_anywhere:
+            phase = "buckets"
+        elif silent:
+            phase = "done"
+        else:
+            phase = next(iter(failed.values())).split(":", 1)[0] or "done"
+        peer = ", ".join(silent) or ", ".join(failed) or (failure[0] if failure else "learner")
+        details = [f"{n}: no WeightDone within {timeout:.1f}s (dead or stuck)" for n in silent]
+        details += [f"learner: {failure[1]}"] if failure else []
+        details += [f"{n}: {e}" for n, e in failed.items()]
+        return _failure_text(phase, peer, "; ".join(details))
+
+    def close(self) -> None:
+        self._close_group()

@@ -1,0 +1,325 @@
+"""WeightReceiver: an engine rank's side of weight sync, serving in its own thread.
+
+Protocol on the engine's DEALER (one per engine rank; a TP engine runs one receiver per TP
+rank, each a weight-group member that keeps its own slice):
+  -> Hello(service=name)                      register (again after a restart or a drop)
+  <- GroupAssign / IpcBuffers                 join generation g of the weight group
+  <- WeightMeta                               validate against our parameters FIRST
+  -> MetaAccepted | MetaRejected(problems)
+  <- SyncGo(proceed)                          every engine answered; move the bytes or not
+     ... broadcasts (or CUDA IPC ready/free per bucket) into staging tensors ...
+  -> WeightDone(ok, seconds, error)           only after the last bucket landed and the
+                                              engine applied the update at a safe point
+Any failure or phase timeout (meta, buckets, apply) leaves the old weights and version
+serving and answers WeightDone(ok=False, error="<phase>: ...").
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import zmq
+from torch import nn
+
+from pipeline.errors import MetadataRejected
+from pipeline.log import get_logger
+from pipeline.messages import Hello, Shutdown, WeightDone, WeightMeta
+from pipeline.transport.channel import new_identity
+from pipeline.weights.apply import ApplyFn
+from pipeline.weights.config import GroupOptions, SyncTimeouts
+from pipeline.weights.cuda_ipc import open_handle
+from pipeline.weights.group import WeightGroup, store_client
+from pipeline.weights.staging import Staging, VerifyError
+from pipeline.weights.validate import Layout, ParamSpec, params_of, validate_meta
+from pipeline.weights.wire import (
+    BucketFree,
+    BucketReady,
+    Dropped,
+    GroupAssign,
+    IpcBuffers,
+    Link,
+    MetaAccepted,
+    MetaRejected,
+    Received,
+    SyncGo,
+)
+
+log = get_logger("weights.receiver")
+# (version, bucket, number of buckets) after a bucket landed: progress metrics, tests
+OnBucket = Callable[[int, int, int], None]
+
+
+class _Abort(Exception):
+    """The learner withdrew this engine mid-sync (Dropped)."""
+
+
+class WeightReceiver:
+    def __init__(
+        self,
+        name: str,
+        endpoint: str,
+        params: nn.Module | Mapping[str, ParamSpec],
+        apply: ApplyFn,
+        *,
+        replica: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device: torch.device | str | None = None,
+        timeouts: SyncTimeouts = SyncTimeouts(),
+        options: GroupOptions = GroupOptions(),
+        run_id: str = "",
+        version: int = -1,
+        on_bucket: OnBucket | None = None,
+    ) -> None:
+        if isinstance(params, nn.Module):
+            first = next(params.parameters(), None)
+            device = device or (first.device if first is not None else "cpu")
+            params = params_of(params)
+        self.name = name
+        self.replica = replica
+        self.expected = dict(params)
+        self.device = torch.device(device or "cpu")
+        self.tp_size = tp_size
+        self.apply_fn = apply
+        self.timeouts = timeouts
+        self.options = options
+        self.on_bucket = on_bucket
+        self.version = version  # the version serving now
+        self.last_error = ""
+        self.staging = Staging(self.expected, device=self.device, tp_rank=tp_rank, tp_size=tp_size)
+        self.ctx = zmq.Context()
+        self.link = Link(
+            self.ctx, zmq.DEALER, sender=name, run_id=run_id, identity=new_identity(name)
+        )
+        self.link.sock.connect(endpoint)
+        self.group: WeightGroup | None = None
+        self.assign: GroupAssign | None = None  # the latest group assignment
+        self._stores: dict[tuple[str, int], Any] = {}
+        self._slots: list[torch.Tensor] = []
+        self._ipc_slots: list[torch.Tensor] = []
+        self._requeued: deque[Received] = deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def register(self) -> None:
+        hello = Hello(
+            service=self.name, replica=self.replica, pid=os.getpid(), host=socket.gethostname()
+        )
+        self.link.send(hello)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.serve, name=f"weights-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def serve(self) -> None:
+        """Register, then handle control messages until stopped (the receiver thread)."""
+        self.register()
+        try:
+            self.run_until(lambda: False, None)
+        finally:
+            self.close()
+
+    def run_until(self, done: Callable[[], bool], timeout_s: float | None) -> bool:
+        """Handle control messages in the calling thread until `done()` or stop/timeout;
+        whether `done()` held (for engines that drive the receiver from their own loop)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._stop.is_set() and not done():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            rcv = self._requeued.popleft() if self._requeued else self.link.recv(0.1)
+            if rcv is not None:
+                self.handle(rcv)
+        return done()
+
+    def close(self) -> None:
+        self._close_group()
+        self.link.close()
+        self.ctx.term()
+
+    def handle(self, rcv: Received) -> None:
+        ctl, body = rcv.control, rcv.message.body
+        if isinstance(ctl, GroupAssign):
+            self._join(ctl)
+        elif isinstance(ctl, IpcBuffers):
+            self._ipc_slots = [open_handle(h) for h in ctl.slots]
+        elif isinstance(ctl, Dropped):
+            self._close_group()
+            log.warning("weights_dropped", engine=self.name, reason=ctl.reason, rejoin=ctl.rejoin)
+            if ctl.rejoin:
+                self.register()
+        elif isinstance(body, WeightMeta):
+            self._sync(body, rcv.message.header.seq)
+        elif isinstance(body, Shutdown):
+            self._stop.set()
+
+    # ------------------------------------------------------------------ group
+
+    def _join(self, spec: GroupAssign) -> None:
+        self._close_group()
+        self.assign = spec
+        if spec.backend == "cuda_ipc":
+            return  # the slots come next, in IpcBuffers
+        try:
+            key = (spec.store_host, spec.store_port)
+            if key not in self._stores:
+                self._stores[key] = store_client(*key, spec.rendezvous_s)
+            self.group = WeightGroup.build(
+                self._stores[key], spec, device=self.device, options=self.options
+            )
+        except Exception as exc:  # the learner names us when it times out
+            log.error("weight_group_join_failed", engine=self.name, error=str(exc))
+            self.group = None
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    # ------------------------------------------------------------------ one update
+
+    def _sync(self, meta: WeightMeta, attempt: int) -> None:
+        try:
+            layout = validate_meta(meta, self.expected, tp_size=self.tp_size)
+        except MetadataRejected as exc:
+            self.last_error = f"meta: {exc}"
+            log.error(
+                "weight_meta_rejected", engine=self.name, version=meta.version, error=str(exc)
+            )
+            self.link.send(
+                MetaRejected(
+                    version=meta.version, attempt=attempt, error=str(exc), problems=exc.problems
+                )
+            )
+            return
+        self.link.send(MetaAccepted(version=meta.version, attempt=attempt))
+        go = self._wait_go(attempt)
+        if go is None or not go.proceed:
+            return
+        t0 = time.perf_counter()
+        phase = "buckets"
+        try:
+            if layout.transport == "cuda_ipc":
+                self._receive_ipc(layout)
+            else:
+                self._receive(layout)
+            phase = "apply"
+            self._apply(layout.version)
+        except Exception as exc:
+            if isinstance(exc, VerifyError):
+                phase = "verify"
+            if phase != "apply":
+                self._close_group()  # our peers must not wait on us; the learner rebuilds
+            self._done(layout.version, t0, f"{phase}: {exc}")
+            return
+        self.version = layout.version
+        self._done(layout.version, t0, "")
+
+    def _done(self, version: int, t0: float, error: str) -> None:
+        seconds = time.perf_counter() - t0
+        if error:
+            self.last_error = error
+            log.error("weight_sync_failed", engine=self.name, version=version, error=error)
+        else:
+            log.info("weight_sync_applied", engine=self.name, version=version, seconds=seconds)
+        self.link.send(
+            WeightDone(
+                version=version, engine=self.name, ok=not error, seconds=seconds, error=error
+            )
+        )
+
+    def _wait_go(self, attempt: int) -> SyncGo | None:
+        deadline = time.monotonic() + self.timeouts.meta_s
+        while (left := deadline - time.monotonic()) > 0:
+            rcv = self.link.recv(left)
+            if rcv is None:
+                continue
+            if isinstance(rcv.control, SyncGo) and rcv.control.attempt == attempt:
+                return rcv.control
+            self._requeued.append(rcv)  # anything else is handled after this sync
+            if isinstance(rcv.control, Dropped | GroupAssign) or isinstance(
+                rcv.message.body, WeightMeta
+            ):
+                return None
+        self.last_error = f"meta: no go/abort within {self.timeouts.meta_s:.1f}s"
+        log.error("weight_sync_failed", engine=self.name, error=self.last_error)
+        return None
+
+    def _buffers(self, nbytes: int) -> list[torch.Tensor]:
+        if not self._slots or self._slots[0].numel() < nbytes:
+            self._slots = [
+                torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)
+            ]
+        return self._slots
+
+    def _receive(self, layout: Layout) -> None:
+        group = self.group
+        if group is None:
+            raise RuntimeError("not a member of a weight group (its build failed)")
+        slots = self._buffers(max(layout.bucket_sizes, default=0))
+        pending: deque[tuple[int, Any, torch.Tensor]] = deque()
+        for k, size in enumerate(layout.bucket_sizes):
+            buf = slots[k % 2][:size]
+            pending.append((k, group.broadcast(buf, group.owner(k)), buf))
+            if len(pending) == 2:
+                self._land(layout, *pending.popleft())
+        while pending:
+            self._land(layout, *pending.popleft())
+
+    def _land(self, layout: Layout, bucket: int, work: Any, buf: torch.Tensor) -> None:
+        work.wait()
+        self.staging.land(layout, bucket, buf)
+        if self.on_bucket is not None:
+            self.on_bucket(layout.version, bucket, len(layout.bucket_sizes))
+
+    def _receive_ipc(self, layout: Layout) -> None:
+        if not self._ipc_slots:
+            raise RuntimeError("no CUDA IPC buffers were shared with this engine")
+        for k in range(len(layout.bucket_sizes)):
+            ready = self._wait_ready(layout.version, k)
+            buf = self._ipc_slots[ready.slot][: ready.nbytes]
+            self.staging.land(layout, k, buf)
+            torch.cuda.current_stream(buf.device).synchronize()  # copied out: slot reusable
+            self.link.send(BucketFree(version=layout.version, bucket=k, slot=ready.slot))
+            if self.on_bucket is not None:
+                self.on_bucket(layout.version, k, len(layout.bucket_sizes))
+
+    def _wait_ready(self, version: int, bucket: int) -> BucketReady:
+        deadline = time.monotonic() + self.timeouts.bucket_s
+        while (left := deadline - time.monotonic()) > 0:
+            rcv = self.link.recv(left)
+            if rcv is None:
+                continue
+            ctl = rcv.control
+            if isinstance(ctl, BucketReady) and (ctl.version, ctl.bucket) == (version, bucket):
+                return ctl
+            if isinstance(ctl, Dropped | GroupAssign) or isinstance(rcv.message.body, WeightMeta):
+                self._requeued.append(rcv)
+                raise _Abort("the learner moved on")
+        raise TimeoutError(f"bucket {bucket} not ready within {self.timeouts.bucket_s:.1f}s")
+
+    def _apply(self, version: int) -> None:
+        result = self.apply_fn(self.staging.tensors, version)
+        if isinstance(result, Future):
+            try:
+                result.result(timeout=self.timeouts.apply_s)
+            except TimeoutError:
+                if result.cancel():
+                    raise TimeoutError(
+                        f"not applied within {self.timeouts.apply_s:.1f}s; old version kept"
+                    ) from None
+                result.result()  # already being applied: it completes atomically

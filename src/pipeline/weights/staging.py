@@ -1,0 +1,62 @@
+"""Engine side: unpack received buckets into staging tensors (the engine's TP slice).
+
+Staging tensors are allocated once per engine in its own dtype and shard shapes and reused
+every sync; the serving weights are untouched until the whole update has landed, so any
+failure mid-way leaves the old version serving. A tensor split across buckets is first
+assembled in a full-size byte buffer, then sliced when its last chunk arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from pipeline.weights import tp
+from pipeline.weights.checksum import checksum
+from pipeline.weights.validate import Layout, ParamSpec
+
+
+class VerifyError(Exception):
+    """A received entry's checksum differs from the one in WeightMeta."""
+
+
+class Staging:
+    def __init__(
+        self,
+        params: Mapping[str, ParamSpec],
+        *,
+        device: torch.device,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.device = device
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.tensors = {
+            n: torch.empty(s.shape, dtype=s.dtype, device=device) for n, s in params.items()
+        }
+        self._assembly: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def land(self, layout: Layout, bucket: int, buf: torch.Tensor) -> None:
+        """Unpack bucket `bucket` (a uint8 tensor of its size) into the staging tensors."""
+        for chunk, entry in layout.by_bucket[bucket]:
+            data = buf[chunk.offset : chunk.offset + chunk.nbytes]
+            if layout.verify and checksum(data) != entry.checksum:
+                raise VerifyError(f"checksum mismatch for {chunk.name} in bucket {bucket}")
+            shape, dtype = layout.full[chunk.name]
+            if chunk.start == 0 and chunk.last:
+                full_bytes = data
+            else:
+                asm = self._assembly.get(chunk.name)
+                if asm is None:
+                    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+                    asm = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                    self._assembly[chunk.name] = asm
+                asm[chunk.start : chunk.start + chunk.nbytes].copy_(data)
+                if not chunk.last:
+                    continue
+                full_bytes = asm
+            full = full_bytes.view(dtype).view(shape)
+            self.tensors[chunk.name].copy_(tp.shard(chunk.name, full, self.tp_rank, self.tp_size))

@@ -1,0 +1,119 @@
+"""Learner: collects a step's groups, drops the too-stale, trains, reports the step.
+
+It is the sink of the data plane: it acknowledges a group only once the step that used
+it (or dropped it) is done, so a learner that dies before that loses nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from pipeline.messages import Dropped, StepDone
+from pipeline.runtime.service import Service
+from pipeline.samples import GroupArrays, read_group
+from pipeline.transport import Delivery
+
+
+def staleness(group: GroupArrays, version: int) -> int:
+    """How many versions behind the learner the oldest token of the group is."""
+    oldest = min(
+        (int(s.token_versions.min()) for s in group.samples if len(s.token_versions)),
+        default=version,
+    )
+    return version - oldest
+
+
+def standin_step(groups: list[GroupArrays]) -> dict[str, float]:
+    scores = [s.score for g in groups for s in g.samples]
+    tokens = sum(len(s.response_ids) for g in groups for s in g.samples)
+    return {"reward_mean": float(np.mean(scores)) if scores else 0.0, "tokens": float(tokens)}
+
+
+class LearnerService(Service):
+    role = "learner"
+
+    async def setup(self) -> None:
+        self.version = self.ctx.policy_version
+        self.step = self.version
+        self.trainer: Any = None
+        if self.config.rollout.engine != "standin":
+            from pipeline.learner_worker import LearnerWorker
+
+            self.trainer = LearnerWorker(self.ctx)
+            await self.trainer.setup()
+            self.version = self.step = self.trainer.step
+
+    async def collect(
+        self,
+    ) -> tuple[list[tuple[Delivery, GroupArrays]], list[tuple[Delivery, GroupArrays]]]:
+        assert self.ctx.input is not None and self.ctx.control is not None
+        need = self.config.controller.prompts_per_step
+        bound = self.config.controller.max_staleness
+        fresh: list[tuple[Delivery, GroupArrays]] = []
+        stale: list[tuple[Delivery, GroupArrays]] = []
+        while len(fresh) < need and not self.ctx.stop.is_set():
+            try:
+                delivery = await self.ctx.input.get(timeout=0.2)
+            except TimeoutError:
+                continue
+            group = read_group(delivery.message)
+            if staleness(group, self.version) > bound:
+                stale.append((delivery, group))
+                # tell the controller now, so it releases replacements for this step
+                await self.ctx.control.send(
+                    Dropped(uids=[s.uid for s in group.samples], policy_version=self.version)
+                )
+            else:
+                fresh.append((delivery, group))
+        return fresh, stale
+
+    async def run(self) -> None:
+        assert self.ctx.control is not None
+        while not self.ctx.stop.is_set():
+            fresh, stale = await self.collect()
+            if self.ctx.stop.is_set():
+                return
+            groups = [g for _, g in fresh]
+            lag = [staleness(g, self.version) for g in groups]
+            start = time.perf_counter()
+            if self.trainer is None:
+                metrics = standin_step(groups)
+            else:
+                metrics = await self.trainer.train(groups, self.step)
+            metrics["step_seconds"] = time.perf_counter() - start
+            metrics["staleness_max"] = float(max(lag, default=0))
+            metrics["staleness_mean"] = float(np.mean(lag)) if lag else 0.0
+            self.step += 1
+            self.version += 1
+            if self.trainer is not None:
+                metrics.update(await self.trainer.publish(self.version))
+            self.ctx.control.policy_version = self.version
+            await self.ctx.control.send(
+                StepDone(
+                    step=self.step - 1,
+                    policy_version=self.version,
+                    trained_uids=[s.uid for g in groups for s in g.samples],
+                    dropped_uids=[s.uid for _, g in stale for s in g.samples],
+                    metrics=metrics,
+                )
+            )
+            await self.report(self.step - 1, metrics)
+            for delivery, _ in [*fresh, *stale]:
+                delivery.ack()
+
+    async def teardown(self) -> None:
+        if self.trainer is not None:
+            await self.trainer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.runtime.cli_args import run_service
+
+    return run_service("learner", LearnerService, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

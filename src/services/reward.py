@@ -1,0 +1,60 @@
+"""Reward: scores every sample with the verifier for its data source, never crashing on one."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pipeline import codec
+from pipeline.messages import Scored
+from pipeline.runtime.service import Output, Service
+from pipeline.samples import read_group, write_group
+
+
+class RewardService(Service):
+    role = "reward"
+    concurrency = 4
+
+    async def setup(self) -> None:
+        from pipeline.rewards.scorer import RewardScorer
+
+        self.scorer = RewardScorer(
+            self.config.reward.function, timeout_s=self.config.reward.timeout_s
+        )
+        self.step = 0
+
+    async def handle(self, message: codec.Message) -> list[Output]:
+        from pipeline.rewards.types import ScoreItem
+
+        group = read_group(message)
+        items = [
+            ScoreItem(
+                uid=s.uid,
+                data_source=group.data_source,
+                solution_str=s.response_text,
+                ground_truth=group.ground_truth,
+            )
+            for s in group.samples
+        ]
+        results = await self.scorer.score_batch(items)
+        for sample, result in zip(group.samples, results, strict=True):
+            sample.score = float(result.score)
+            group.reward_errors += int(result.status != "ok")
+        self.step += 1
+        if self.step % 16 == 0:
+            counters = msgspec.structs.asdict(self.scorer.counters)
+            await self.report(self.step, {f"reward.{k}": float(v) for k, v in counters.items()})
+        return [write_group(group, Scored)]
+
+    async def teardown(self) -> None:
+        if hasattr(self, "scorer"):
+            self.scorer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.runtime.cli_args import run_service
+
+    return run_service("reward", RewardService, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""The built-in engine on CUDA, eager and with captured decode graphs (GPU host only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.engines import GenerationRequest, SamplingParams, TorchEngine, TorchEngineConfig
+from pipeline.models import load_model
+
+from .helpers import assert_same_sample, perturbed_state, prompts
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """float32 matmuls in full precision, so CPU and GPU logits agree to round-off."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _engine(model_dir, device: str, **options) -> TorchEngine:
+    options.setdefault("max_seq_len", 128)
+    return TorchEngine.from_pretrained(
+        model_dir, device=device, config=TorchEngineConfig(**options)
+    )
+
+
+def _workload() -> list[GenerationRequest]:
+    batch = prompts(7, [3, 11, 6, 1, 17, 8, 4], seed=3)
+    settings = [
+        SamplingParams(temperature=0.0, max_new_tokens=12),
+        SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=(7,)),
+        SamplingParams(temperature=0.9, max_new_tokens=20, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=9, n=2, seed=2),
+        SamplingParams(temperature=0.7, top_k=5, max_new_tokens=15, seed=3),
+        SamplingParams(temperature=0.0, max_new_tokens=3),
+        SamplingParams(temperature=1.2, top_k=8, top_p=0.9, max_new_tokens=11, seed=4),
+    ]
+    return [
+        GenerationRequest(f"r{i}", p, s)
+        for i, (p, s) in enumerate(zip(batch, settings, strict=True))
+    ]
+
+
+def test_cuda_engine_matches_cpu_engine_for_greedy_and_seeded_sampling(model_dir):
+    cpu = _engine(model_dir, "cpu", max_batch=3).generate(_workload())
+    gpu = _engine(model_dir, "cuda", max_batch=3).generate(_workload())
+    for got, want in zip(gpu, cpu, strict=True):
+        assert_same_sample(got, want, atol=1e-4)
+
+
+def test_cuda_graph_decode_equals_eager_decode_across_buckets_and_a_weight_update(model_dir):
+    native = load_model(model_dir)
+    state = perturbed_state(native, seed=9)
+    results = []
+    for graphs in (False, True):
+        engine = _engine(model_dir, "cuda", max_batch=5, use_cuda_graphs=graphs)
+        for request in _workload():
+            engine.add_request(request)
+        outs = [out for _ in range(3) for out in engine.step()]
+        engine.update_weights(state.items(), version=1)  # graphs must see the new weights
+        while engine.has_unfinished():
+            outs.extend(engine.step())
+        if graphs:
+            assert engine.graphs is not None and len(engine.graphs.graphs) >= 3
+        results.append(sorted(outs, key=lambda o: (o.request_id, o.sample_index)))
+    eager, graphed = results
+    assert any(1 in o.token_versions and 0 in o.token_versions for o in graphed)
+    for got, want in zip(graphed, eager, strict=True):
+        assert_same_sample(got, want, atol=1e-5)

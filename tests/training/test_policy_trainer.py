@@ -1,0 +1,114 @@
+"""PolicyTrainer on one CPU process: skipped non-finite updates, metrics, determinism,
+critic-free advantages and the errors that name a fix."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.algorithms import AlgorithmConfig
+from pipeline.errors import ConfigError
+from pipeline.training import BatchError, PolicyTrainer, TrainerConfig
+
+from ._helpers import make_batch, save_tiny_model, state_of
+
+CONFIG = TrainerConfig(device="cpu", lr=1e-3, max_tokens_per_micro_batch=30, mini_batches=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("policy") / "model")
+
+
+def test_nan_loss_skips_update_keeps_weights_and_adam_state_and_counts_it(model_dir: Path):
+    trainer = PolicyTrainer(model_dir, CONFIG.replace(mini_batches=1), AlgorithmConfig())
+    before = state_of(trainer.model)
+    batch = make_batch(seed=0)
+    adv = batch.advantages.clone()
+    adv[3, 0] = float("nan")  # one valid token poisons the loss
+    metrics = trainer.train_step(batch.replace(advantages=adv))
+    assert metrics["actor/skipped_updates"] == 1
+    assert metrics["actor/skipped_steps_total"] == 1 == trainer.skipped_steps
+    assert math.isnan(metrics["actor/grad_norm"])  # no applied update to average
+    assert trainer.engine.optimizer_steps == 0
+    for state in trainer.engine.optimizer.state.values():  # Adam never saw the bad batch
+        assert float(state["step"]) == 0 and not state["exp_avg"].any()
+    assert all(p.grad is None for p in trainer.model.parameters())
+    for name, value in state_of(trainer.model).items():
+        assert torch.equal(value, before[name]), name
+    good = trainer.train_step(batch)  # training carries on
+    assert good["actor/skipped_updates"] == 0 and trainer.engine.optimizer_steps == 1
+
+
+def test_infinite_gradient_with_finite_loss_skips_update(model_dir: Path):
+    trainer = PolicyTrainer(model_dir, CONFIG, AlgorithmConfig())
+    before = state_of(trainer.model)
+    weight = trainer.model.model.layers[0].mlp.up_proj.weight
+    handle = weight.register_hook(lambda g: g * float("inf"))
+    metrics = trainer.train_step(make_batch(seed=1))
+    handle.remove()
+    assert metrics["actor/skipped_updates"] == 2 == trainer.skipped_steps  # both mini-batches
+    assert math.isfinite(metrics["actor/loss"])
+    for name, value in state_of(trainer.model).items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_step_reports_losses_kl_per_estimator_mismatch_and_throughput(model_dir: Path):
+    config = CONFIG.replace(peak_flops=1e12)
+    trainer = PolicyTrainer(model_dir, config, AlgorithmConfig(use_kl_loss=True))
+    batch = make_batch(seed=2)
+    metrics = trainer.train_step(batch)
+    for key in (
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/clip_frac",
+        "actor/grad_norm",
+        "actor/lr",
+        "kl/k1",
+        "kl/k2",
+        "kl/k3",
+        "mismatch/kl",
+        "mismatch/mean_abs_diff",
+        "perf/tokens_per_s",
+        "perf/mfu",
+    ):
+        assert math.isfinite(metrics[key]), key
+    # before the first update the policy is the reference: every KL estimate is 0
+    assert metrics["kl/k1"] == metrics["kl/k2"] == metrics["kl/k3"] == 0.0
+    learner = trainer.compute_logprobs(batch)
+    assert learner.shape == batch.behaviour_logprobs.shape
+    assert trainer.train_step(batch)["kl/k3"] > 0
+    assert metrics["perf/tokens"] == sum(batch.seq_lengths)
+    assert "perf/mfu" not in PolicyTrainer(model_dir, CONFIG).train_step(batch)
+
+
+def test_two_runs_with_same_seed_are_bitwise_identical(model_dir: Path):
+    config = CONFIG.replace(shuffle=True, ppo_epochs=2)
+    states, losses = [], []
+    for _ in range(2):
+        trainer = PolicyTrainer(model_dir, config, AlgorithmConfig(entropy_coef=0.01))
+        losses.append([trainer.train_step(make_batch(seed=s))["actor/loss"] for s in range(2)])
+        states.append(state_of(trainer.model))
+    assert losses[0] == losses[1]
+    for name, value in states[0].items():
+        assert torch.equal(value, states[1][name]), name
+
+
+def test_grpo_advantages_are_computed_in_trainer_without_critic(model_dir: Path):
+    trainer = PolicyTrainer(model_dir, CONFIG, AlgorithmConfig(advantage_estimator="grpo"))
+    before = state_of(trainer.model)
+    metrics = trainer.train_step(make_batch(seed=3, advantages=False))
+    assert metrics["actor/skipped_updates"] == 0
+    assert any(not torch.equal(v, before[n]) for n, v in state_of(trainer.model).items())
+
+
+def test_missing_advantages_or_reference_raise_errors_that_name_the_fix(model_dir: Path):
+    trainer = PolicyTrainer(model_dir, CONFIG, AlgorithmConfig())
+    with pytest.raises(BatchError, match="compute_advantages"):
+        trainer.train_step(make_batch(seed=0, advantages=False))
+    with pytest.raises(ConfigError, match="keep_reference"):
+        trainer.ref_logprobs(make_batch(seed=0))

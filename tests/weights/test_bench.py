@@ -1,0 +1,40 @@
+"""(d) The weight-sync bench runs on CPU with the tiny shape and prints valid JSON lines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+KEYS = [
+    "bench",
+    "figure",
+    "value",
+    "baseline",
+    "baseline_value",
+    "ratio",
+    "bound",
+    "fraction_of_bound",
+    "device",
+    "config",
+    "git",
+    "date",
+]
+
+
+def test_bench_tiny_cpu_prints_json_figures(tmp_path):
+    out_file = tmp_path / "weight_sync.json"
+    cmd = [sys.executable, "-m", "pipeline.bench.weight_sync", "--shape", "tiny"]
+    cmd += ["--device", "cpu", "--repeats", "1", "--json", str(out_file)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert [f["figure"] for f in lines] == ["publish_seconds", "publish_gbps"]
+    for fig in lines:
+        assert list(fig) == KEYS
+        assert fig["bench"] == "weight_sync" and fig["device"] == "cpu"
+        for key in ("value", "baseline_value", "ratio", "bound", "fraction_of_bound"):
+            assert isinstance(fig[key], float) and fig[key] > 0, key
+        assert fig["config"]["shape"] == "tiny" and fig["config"]["transport"] == "gloo"
+    assert json.loads(out_file.read_text()) == lines
+    assert "publish_gbps" in done.stdout.splitlines()[2]  # the human table comes first

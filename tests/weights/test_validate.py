@@ -1,0 +1,88 @@
+"""(b) WeightMeta is checked against the engine's parameters before any byte moves."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from wsync_common import full_shapes, shard_specs
+
+from pipeline.errors import MetadataRejected
+from pipeline.messages import WeightMeta
+from pipeline.weights.plan import BucketPlan, TensorSpec
+from pipeline.weights.validate import ParamSpec, validate_meta
+
+BF16 = torch.bfloat16
+
+
+def _meta(bucket_bytes: int = 2048, **changes) -> WeightMeta:
+    plan = BucketPlan.build(
+        [TensorSpec(n, s, BF16) for n, s in full_shapes().items()], bucket_bytes=bucket_bytes
+    )
+    meta = WeightMeta(
+        version=3, entries=plan.entries(), bucket_sizes=list(plan.bucket_sizes), transport="gloo"
+    )
+    return msgspec.structs.replace(meta, **changes)
+
+
+@pytest.mark.parametrize("tp_rank,tp_size", [(0, 1), (0, 2), (1, 2)])
+def test_matching_metadata_gives_the_unpack_layout(tp_rank, tp_size):
+    layout = validate_meta(_meta(), shard_specs(tp_rank, tp_size), tp_size=tp_size)
+    assert layout.version == 3 and layout.full["lm_head.weight"] == ((96, 31), BF16)
+    assert sum(len(b) for b in layout.by_bucket) == len(_meta().entries)
+
+
+def test_every_offender_is_listed_per_kind():
+    specs = shard_specs(0, 1)
+    del specs["model.norm.weight"]
+    del specs["model.layers.1.mlp.up_proj.weight"]
+    specs["model.extra.weight"] = ParamSpec((4,), BF16)
+    specs["lm_head.weight"] = ParamSpec((95, 31), BF16)
+    specs["model.layers.0.self_attn.q_proj.bias"] = ParamSpec((32,), torch.float32)
+    with pytest.raises(MetadataRejected) as info:
+        validate_meta(_meta(), specs)
+    problems = info.value.problems
+    assert sorted(problems["unknown"]) == ["model.layers.1.mlp.up_proj.weight", "model.norm.weight"]
+    assert problems["missing"] == ["model.extra.weight"]
+    assert [p.split(":")[0] for p in problems["shape"]] == ["lm_head.weight"]
+    assert [p.split(":")[0] for p in problems["dtype"]] == ["model.layers.0.self_attn.q_proj.bias"]
+    assert set(problems) == {"unknown", "missing", "shape", "dtype"}
+    for name in ("model.norm.weight", "model.extra.weight", "lm_head.weight"):
+        assert name in str(info.value)
+
+
+def test_tp_engine_compares_against_the_full_shape():
+    specs = shard_specs(0, 2)
+    specs["model.layers.0.self_attn.o_proj.weight"] = ParamSpec((31, 32), BF16)  # unsliced
+    with pytest.raises(MetadataRejected) as info:
+        validate_meta(_meta(), specs, tp_size=2)
+    assert info.value.problems["shape"] == [
+        "model.layers.0.self_attn.o_proj.weight: [31, 32] != engine full [31, 64]"
+    ]
+
+
+def test_duplicates_and_broken_layouts_are_refused():
+    meta = _meta(bucket_bytes=1 << 20)
+    first, second = meta.entries[0], meta.entries[1]
+    dup = _meta(bucket_bytes=1 << 20, entries=[first, second, first])
+    with pytest.raises(MetadataRejected) as info:
+        validate_meta(dup, shard_specs(0, 1))
+    assert info.value.problems["duplicate"] == [first.name]
+    moved = msgspec.structs.replace(second, offset=meta.bucket_sizes[0])  # past the bucket end
+    broken = _meta(bucket_bytes=1 << 20, entries=[first, moved, *meta.entries[2:]])
+    with pytest.raises(MetadataRejected) as info:
+        validate_meta(broken, shard_specs(0, 1))
+    assert any(second.name in p for p in info.value.problems["layout"])
+    overlap = msgspec.structs.replace(second, offset=first.offset)
+    bad = _meta(bucket_bytes=1 << 20, entries=[first, overlap, *meta.entries[2:]])
+    with pytest.raises(MetadataRejected, match="overlap"):
+        validate_meta(bad, shard_specs(0, 1))
+
+
+def test_unknown_transport_and_dtype_names():
+    meta = _meta(transport="carrier-pigeon")
+    entries = [msgspec.structs.replace(meta.entries[0], dtype="float7"), *meta.entries[1:]]
+    with pytest.raises(MetadataRejected) as info:
+        validate_meta(msgspec.structs.replace(meta, entries=entries), shard_specs(0, 1))
+    assert info.value.problems["transport"] == ["carrier-pigeon"]
+    assert "float7" in info.value.problems["dtype"][0]

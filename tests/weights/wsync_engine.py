@@ -1,0 +1,81 @@
+"""A test engine process: one WeightReceiver per TP rank (each a weight-group member) and a
+safe-point loop that applies updates and saves what it applied, per member and version."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from wsync_common import ROLLOUT_DTYPE, shard_specs
+
+from pipeline.weights import SafePointApply, SyncTimeouts, WeightReceiver
+
+
+def emit(**event: object) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--replica", type=int, default=0)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--slow-version", type=int, default=-1)  # sleep in each bucket of it
+    ap.add_argument("--slow-s", type=float, default=1.0)
+    ap.add_argument("--bucket-s", type=float, default=10.0)
+    ap.add_argument("--max-seconds", type=float, default=120.0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    appliers, receivers = [], []
+    for rank in range(args.tp_size):
+        member = args.name if args.tp_size == 1 else f"{args.name}.tp{rank}"
+        specs = shard_specs(rank, args.tp_size)
+        serving = {n: torch.zeros(s.shape, dtype=ROLLOUT_DTYPE) for n, s in specs.items()}
+
+        def apply(tensors, version, member=member, serving=serving):
+            for name, value in tensors.items():
+                serving[name].copy_(value)
+            torch.save({n: t.clone() for n, t in serving.items()}, out / f"{member}.v{version}.pt")
+            emit(event="applied", member=member, version=version)
+
+        def on_bucket(version, bucket, total, member=member):
+            emit(event="bucket", member=member, version=version, bucket=bucket, total=total)
+            if version == args.slow_version:
+                time.sleep(args.slow_s)
+
+        applier = SafePointApply(apply)
+        receiver = WeightReceiver(
+            member,
+            args.endpoint,
+            specs,
+            applier,
+            replica=args.replica,
+            tp_rank=rank,
+            tp_size=args.tp_size,
+            timeouts=SyncTimeouts(group_s=20, meta_s=20, bucket_s=args.bucket_s, apply_s=20),
+            on_bucket=on_bucket,
+        )
+        receiver.start()
+        appliers.append(applier)
+        receivers.append(receiver)
+    emit(event="started", name=args.name)
+    deadline = time.monotonic() + args.max_seconds
+    while time.monotonic() < deadline:  # the engine loop: apply only between "steps"
+        for applier in appliers:
+            applier.run_pending()
+        time.sleep(0.005)
+    for receiver in receivers:
+        receiver.stop()
+
+
+if __name__ == "__main__":
+    main()

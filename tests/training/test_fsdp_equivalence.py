@@ -74,9 +74,10 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             algorithm = AlgorithmConfig(advantage_estimator=estimator)
             whole = make_batch(seed=5, n=SAMPLES, group_size=3, advantages=False)
             local = group_advantages(whole.shard(rank, WORLD), algorithm).advantages
-            expected = group_advantages(whole, algorithm).shard(rank, WORLD).advantages
+            expected = group_advantages(whole, algorithm, across_ranks=False)
+            expected = expected.shard(rank, WORLD).advantages
             # gathered in rank order: group sums differ from the whole batch's in round-off
-            torch.testing.assert_close(local, expected, atol=1e-6, rtol=1e-6, msg=estimator)
+            torch.testing.assert_close(local, expected, atol=1e-5, rtol=1e-5)
             assert local.abs().sum() > 0, estimator
         state = state_of(trainer.model)
         if rank == 0:

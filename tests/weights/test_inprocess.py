@@ -208,3 +208,24 @@ def test_engine_silent_on_metadata_is_named_dropped_and_rejoins(model, hub):
     assert good.receiver.version == 2 and mute.receiver.version == 2
     for e in (good, mute):
         e.receiver.stop()
+
+
+def test_checksum_mismatch_fails_in_the_verify_phase_and_keeps_the_old_version(model, hub):
+    engine = Engine(hub, "e", shard_specs(0, 1))
+    hub.wait_for_members(1, 10)
+    config = PublishConfig(bucket_bytes=2048, verify=True, timeouts=FAST)
+    publisher = WeightPublisher(model, hub=hub, config=config)
+    publisher.publish(1)
+    honest = publisher._checksums
+    publisher._checksums = lambda: [c ^ 1 for c in honest()]  # as if a byte flipped on the way
+    _bump(model)
+    with pytest.raises(WeightSyncError) as info:
+        publisher.publish(2)
+    assert info.value.phase == "verify" and info.value.peer == "e"
+    assert "checksum mismatch" in str(info.value)
+    assert engine.receiver.version == 1 and engine.applied == [1]
+    publisher._checksums = honest
+    publisher.publish(2)  # the group is rebuilt and the next update lands
+    assert engine.receiver.version == 2
+    assert_engine_equal(_expected(model), engine.serving, 0, 1)
+    engine.receiver.stop()

@@ -83,6 +83,7 @@ class Supervisor:
             start_new_session=True,
         )
         self.log.info("service_started", service=child.name, pid=child.proc.pid)
+        self.events.append({"time": time.time(), "service": child.name, "started": child.proc.pid})
 
     def pids(self) -> dict[str, int]:
         return {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}

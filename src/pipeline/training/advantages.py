@@ -53,14 +53,20 @@ def _per_rank(value: int) -> list[int]:
 
 
 @torch.no_grad()
-def group_advantages(batch: ExperienceBatch, algorithm: AlgorithmConfig) -> ExperienceBatch:
+def group_advantages(
+    batch: ExperienceBatch, algorithm: AlgorithmConfig, *, across_ranks: bool = True
+) -> ExperienceBatch:
     """GRPO / RLOO advantages from sequence scores and group ids (critic-free).
 
-    Under a process group every rank's scores are gathered first, so a group split across
-    shards gets the same baseline as in the whole batch (group ids must agree across ranks,
-    as the uid-hash default does). Collective: every rank must call it.
+    `batch` is this rank's shard: under a process group every rank's scores are gathered
+    first (a collective), so a group split across shards gets the same baseline as in the
+    whole batch; group ids must agree across ranks, as the uid-hash default does. Pass
+    `across_ranks=False` for a batch that already is the whole batch.
     """
-    all_scores, all_ids, offset = _gather_scores(batch.scores.float(), batch.group_ids)
+    if across_ranks:
+        all_scores, all_ids, offset = _gather_scores(batch.scores.float(), batch.group_ids)
+    else:
+        all_scores, all_ids, offset = batch.scores.float(), batch.group_ids, 0
     per_seq = torch.ones(all_scores.numel(), 1, dtype=torch.bool)  # one "token" per sample
     if algorithm.advantage_estimator == "grpo":
         adv = grpo_advantages(

@@ -431,12 +431,12 @@ class WeightPublisher:
             return ""
         for name in silent:
             self.hub.drop(name, f"no WeightDone for v{version} within {timeout:.1f}s")
-        if failed_anywhere:
-            phase = "buckets"
-        elif silent:
-            phase = "done"
-        else:
+        if silent:  # named first: a dead engine explains everyone else's failure
+            phase = "buckets" if failed_anywhere else "done"
+        elif failed:  # the engine's own phase (e.g. verify, apply)
             phase = next(iter(failed.values())).split(":", 1)[0] or "done"
+        else:
+            phase = "buckets"
         peer = ", ".join(silent) or ", ".join(failed) or (failure[0] if failure else "learner")
         details = [f"{n}: no WeightDone within {timeout:.1f}s (dead or stuck)" for n in silent]
         details += [f"learner: {failure[1]}"] if failure else []

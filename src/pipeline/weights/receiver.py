@@ -106,6 +106,7 @@ class WeightReceiver:
         self._slots: list[torch.Tensor] = []
         self._ipc_slots: list[torch.Tensor] = []
         self._requeued: deque[Received] = deque()
+        self._verify_error: VerifyError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -221,8 +222,8 @@ class WeightReceiver:
             self._apply(layout.version)
         except Exception as exc:
             if isinstance(exc, VerifyError):
-                phase = "verify"
-            if phase != "apply":
+                phase = "verify"  # every bucket was still received: the group is intact
+            if phase == "buckets":
                 self._close_group()  # our peers must not wait on us; the learner rebuilds
             self._done(layout.version, t0, f"{phase}: {exc}")
             return
@@ -272,6 +273,7 @@ class WeightReceiver:
             raise RuntimeError("not a member of a weight group (its build failed)")
         slots = self._buffers(max(layout.bucket_sizes, default=0))
         pending: deque[tuple[int, Any, torch.Tensor]] = deque()
+        self._verify_error: VerifyError | None = None
         for k, size in enumerate(layout.bucket_sizes):
             buf = slots[k % 2][:size]
             pending.append((k, group.broadcast(buf, group.owner(k)), buf))
@@ -279,10 +281,16 @@ class WeightReceiver:
                 self._land(layout, *pending.popleft())
         while pending:
             self._land(layout, *pending.popleft())
+        if self._verify_error is not None:
+            raise self._verify_error
 
     def _land(self, layout: Layout, bucket: int, work: Any, buf: torch.Tensor) -> None:
         work.wait()
-        self.staging.land(layout, bucket, buf)
+        if self._verify_error is None:  # after a mismatch keep receiving, to spare the peers
+            try:
+                self.staging.land(layout, bucket, buf)
+            except VerifyError as exc:
+                self._verify_error = exc
         if self.on_bucket is not None:
             self.on_bucket(layout.version, bucket, len(layout.bucket_sizes))
 

@@ -1,0 +1,80 @@
+"""Profiles, overrides and load-time validation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import config_from_json, config_to_json, load_config, parse_override_args
+from pipeline.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILES = sorted((REPO / "profiles").glob("*.toml"))
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
+def test_every_profile_loads_and_round_trips(profile):
+    config = load_config(profile)
+    assert config_from_json(config_to_json(config)) == config
+
+
+def test_dotted_overrides_are_typed():
+    config = load_config(
+        REPO / "profiles/local-cpu.toml",
+        parse_override_args(["--learner.optim.lr", "1e-6", "--controller.max_staleness=0"]),
+    )
+    assert config.learner.optim.lr == 1e-6
+    assert config.controller.max_staleness == 0
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"learner.optim.lrr": "1"}, "did you mean 'lr'"),
+        ({"rollout.engine": "nope"}, "one of ['standin', 'torch', 'hf', 'vllm']"),
+        ({"controller.max_staleness": "-1"}, "0 = synchronous PPO"),
+        ({"services.rollout.pool": "gpu"}, "define [pools.gpu]"),
+        ({"controller.steps": "'ten'"}, "must be an integer"),
+        ({"algorithm.lam": "1.5"}, "algorithm.lam"),
+    ],
+)
+def test_validation_errors_say_how_to_fix(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "profiles/local-cpu.toml", override)
+    assert message in str(info.value)
+
+
+def test_missing_profile_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_profile_extends_another(tmp_path):
+    (tmp_path / "base.toml").write_text("[controller]\nsteps = 7\nprompts_per_step = 3\n")
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\n[controller]\nsteps = 9\n')
+    config = load_config(tmp_path / "child.toml")
+    assert (config.controller.steps, config.controller.prompts_per_step) == (9, 3)
+
+
+def test_cli_help_answers_in_under_a_second():
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True)  # warm
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True, text=True
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0 and "replay" in proc.stdout
+    assert elapsed < 1.0, elapsed
+
+
+def test_resolved_config_is_written_to_the_run_dir(tmp_path):
+    from pipeline.config import write_resolved
+
+    config = load_config(REPO / "profiles/local-cpu.toml")
+    path = write_resolved(config, tmp_path)
+    assert json.loads(path.read_text())["controller"]["steps"] == config.controller.steps

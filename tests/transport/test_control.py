@@ -1,0 +1,58 @@
+"""Handshake with a time limit; a dead peer becomes visible instead of a silent hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from pipeline.errors import HandshakeTimeout, ServiceDeadError
+from pipeline.messages import ConfigMsg, Hello, StepDone
+from pipeline.transport import ChannelConfig, ControlClient, ControlServer
+from pipeline.transport.control import PeerEvent
+
+FAST = ChannelConfig(heartbeat_s=0.05, peer_timeout_s=0.4)
+
+
+def hello(name: str = "rollout") -> Hello:
+    return Hello(service=name, replica=0, pid=os.getpid())
+
+
+def answer(h: Hello) -> ConfigMsg:
+    return ConfigMsg(run_id="run1", run_dir="/tmp/x", config_json="{}", policy_version=3)
+
+
+async def test_handshake_times_out_without_controller(ipc_endpoint):
+    client = ControlClient(ipc_endpoint("nobody"), service="rollout", replica=0, config=FAST)
+    start = time.monotonic()
+    with pytest.raises(HandshakeTimeout, match="did not answer hello"):
+        await client.handshake(hello(), timeout_s=0.5)
+    assert time.monotonic() - start < 2.0
+    await client.close()
+
+
+async def test_handshake_then_reports_then_dead_peers_both_ways(ipc_endpoint):
+    server = ControlServer(ipc_endpoint("ctl"), run_id="run1", config_for=answer, config=FAST)
+    server.start()
+    client = ControlClient(server.endpoint, service="learner", replica=0, config=FAST)
+    config = await client.handshake(hello("learner"), timeout_s=5)
+    assert (config.run_id, client.policy_version) == ("run1", 3)
+    events = [await asyncio.wait_for(server.inbox.get(), 2) for _ in range(2)]
+    assert [e.kind for e in events if isinstance(e, PeerEvent)] == ["joined", "ready"]
+    await client.send(StepDone(step=0, policy_version=1, trained_uids=["a/0"]))
+    peer, body = await asyncio.wait_for(server.inbox.get(), 2)
+    assert isinstance(body, StepDone) and peer.name == "learner-0"
+    # the service goes silent: the controller reports it dead
+    await client.close()
+    event = await asyncio.wait_for(server.inbox.get(), 3)
+    assert isinstance(event, PeerEvent) and event.kind == "dead"
+    # the controller goes silent: the service sees a typed error
+    client2 = ControlClient(server.endpoint, service="reward", replica=1, config=FAST)
+    await client2.handshake(hello("reward"), timeout_s=5)
+    await server.close()
+    await asyncio.wait_for(client2.controller_dead.wait(), 3)
+    with pytest.raises(ServiceDeadError, match="silent"):
+        client2.check_alive()
+    await client2.close()

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from wsync_common import ROLLOUT_DTYPE, shard_specs
 
-from pipeline.weights import SafePointApply, SyncTimeouts, WeightReceiver
+from pipeline.weights import SafePointApply, SyncTimeouts, WeightReceiver, cuda_ipc
 
 
 def emit(**event: object) -> None:
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--slow-s", type=float, default=1.0)
     ap.add_argument("--bucket-s", type=float, default=10.0)
     ap.add_argument("--max-seconds", type=float, default=120.0)
+    ap.add_argument("--device", default="cpu")  # cuda: the learner's GPU (CUDA IPC)
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -39,13 +40,16 @@ def main() -> None:
     for rank in range(args.tp_size):
         member = args.name if args.tp_size == 1 else f"{args.name}.tp{rank}"
         specs = shard_specs(rank, args.tp_size)
-        serving = {n: torch.zeros(s.shape, dtype=ROLLOUT_DTYPE) for n, s in specs.items()}
+        device = torch.device(args.device)
+        serving = {
+            n: torch.zeros(s.shape, dtype=ROLLOUT_DTYPE, device=device) for n, s in specs.items()
+        }
 
         def apply(tensors, version, member=member, serving=serving):
             for name, value in tensors.items():
                 serving[name].copy_(value)
-            torch.save({n: t.clone() for n, t in serving.items()}, out / f"{member}.v{version}.pt")
-            emit(event="applied", member=member, version=version)
+            torch.save({n: t.cpu() for n, t in serving.items()}, out / f"{member}.v{version}.pt")
+            emit(event="applied", member=member, version=version, ipc_opened=len(cuda_ipc._opened))
 
         def on_bucket(version, bucket, total, member=member):
             emit(event="bucket", member=member, version=version, bucket=bucket, total=total)
@@ -61,6 +65,7 @@ def main() -> None:
             replica=args.replica,
             tp_rank=rank,
             tp_size=args.tp_size,
+            device=device,
             timeouts=SyncTimeouts(group_s=20, meta_s=20, bucket_s=args.bucket_s, apply_s=20),
             on_bucket=on_bucket,
         )

@@ -7,11 +7,15 @@ predict response tokens into the (m, r) layout of the batch's per-token fields.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
 from pipeline.models import CausalLM, ValueModel
 from pipeline.training.micro_batching import MicroBatch
+
+_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 
 
 def micro_logprobs(
@@ -27,16 +31,20 @@ def micro_logprobs(
     `anchor` is a scalar 0 * sum(outputs): for an empty (dummy) micro-batch it is the only
     thing to backpropagate, which keeps FSDP's collectives in step with the other ranks.
     """
-    out = model.token_logprobs(
-        mb.input_ids,
-        mb.target_ids,
-        position_ids=mb.position_ids,
-        attention_mask=mb.attention_mask,
-        cu_seqlens=mb.cu_seqlens,
-        chunk_tokens=chunk_tokens,
-        temperature=temperature,
-        return_entropy=with_entropy,
-    )
+    with warnings.catch_warnings():
+        # token_logprobs returns a view; FSDP2 warns about in-place ops on it, which the
+        # gather below never does
+        warnings.filterwarnings("ignore", message=_VIEW_WARNING)
+        out = model.token_logprobs(
+            mb.input_ids,
+            mb.target_ids,
+            position_ids=mb.position_ids,
+            attention_mask=mb.attention_mask,
+            cu_seqlens=mb.cu_seqlens,
+            chunk_tokens=chunk_tokens,
+            temperature=temperature,
+            return_entropy=with_entropy,
+        )
     if with_entropy:
         logp_all, ent_all = out  # type: ignore[misc]
     else:

@@ -237,7 +237,9 @@ class PolicyTrainer:
             is_weights=take(inputs["is_w"]),
         )
         entropy_mean = agg_loss(entropy, mask, alg.loss_agg_mode)
-        loss = pg_loss - alg.entropy_coef * entropy_mean
+        loss = pg_loss
+        if alg.entropy_coef > 0:  # otherwise entropy is only reported, never differentiated
+            loss = loss - alg.entropy_coef * entropy_mean
         metrics = {
             "actor/pg_loss": pg_loss.detach(),
             "actor/entropy": entropy_mean.detach(),

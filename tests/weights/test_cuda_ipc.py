@@ -1,0 +1,87 @@
+"""CUDA IPC: learner and engines share one GPU. Buffers are shared once and reused; per
+bucket only a "ready" / "free" message moves. Bitwise like the collective path."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from wsync_common import (
+    ROLLOUT_DTYPE,
+    SMALL_BUCKET,
+    TINY,
+    assert_engine_equal,
+    engine_cmd,
+    free_port,
+    read_events,
+)
+
+from pipeline.models import CausalLM
+from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+TIMEOUTS = SyncTimeouts(group_s=60, meta_s=60, bucket_s=30, apply_s=30)
+
+
+def _engines(procs, hub, tmp_path, device):
+    events: list[dict] = []
+    for name, tp_size, replica in (("engine-0", 1, 0), ("engine-1", 2, 1)):
+        cmd = engine_cmd(hub.endpoint, name, tmp_path, "--device", device, tp_size=tp_size)
+        proc = procs.start([*cmd, "--replica", str(replica), "--max-seconds", "300"], stdout=-1)
+        threading.Thread(target=read_events, args=(proc, events), daemon=True).start()
+    assert len(hub.wait_for_members(3, 120)) == 3
+    return events
+
+
+def _publish_and_check(model, publisher, tmp_path, versions):
+    members = {"engine-0": (0, 1), "engine-1.tp0": (0, 2), "engine-1.tp1": (1, 2)}
+    for version in versions:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        report = publisher.publish(version)
+        assert report.engines == list(members)
+        expected = {n: p.detach().to(ROLLOUT_DTYPE).cpu() for n, p in model.named_parameters()}
+        for member, (tp_rank, tp_size) in members.items():
+            got = torch.load(tmp_path / f"{member}.v{version}.pt")
+            assert_engine_equal(expected, got, tp_rank, tp_size)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_cuda_ipc_bitwise_with_buffers_opened_once(procs, tmp_path, verify):
+    torch.manual_seed(0)
+    model = CausalLM(TINY).cuda()
+    model.init_weights(std=0.2)
+    hub = WeightHub(endpoint=f"tcp://127.0.0.1:{free_port()}")
+    events = _engines(procs, hub, tmp_path, "cuda")
+    config = PublishConfig(
+        bucket_bytes=SMALL_BUCKET, transport="cuda_ipc", verify=verify, timeouts=TIMEOUTS
+    )
+    publisher = WeightPublisher(model, hub=hub, config=config)
+    assert publisher.plan.num_buckets > 2  # both slots are reused many times per sync
+    _publish_and_check(model, publisher, tmp_path, range(1, 4))
+    applied = [e for e in events if e.get("event") == "applied"]
+    assert len(applied) == 9
+    assert {e["ipc_opened"] for e in applied} == {2}  # two slots, opened once per process
+    publisher.close()
+    hub.close()
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_between_gpus_bitwise(procs, tmp_path):
+    torch.manual_seed(0)
+    model = CausalLM(TINY).cuda(0)
+    model.init_weights(std=0.2)
+    hub = WeightHub(endpoint=f"tcp://127.0.0.1:{free_port()}")
+    _engines(procs, hub, tmp_path, "cuda:1")
+    config = PublishConfig(bucket_bytes=SMALL_BUCKET, timeouts=TIMEOUTS)
+    publisher = WeightPublisher(model, hub=hub, config=config)
+    assert publisher.transport == "nccl"
+    _publish_and_check(model, publisher, tmp_path, range(1, 3))
+    publisher.close()
+    hub.close()

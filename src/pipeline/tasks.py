@@ -28,7 +28,7 @@ def prepare_task(config: PipelineConfig, run_dir: Path) -> Task:
     directory = model_dir(config, run_dir)
     if not config.model.path and not (directory / "tokenizer.json").exists():
         save_char_tokenizer(directory)
-        if config.rollout.engine != "standin":
+        if not config.run.standin:
             from pipeline.tiny_model import make_tiny_model
 
             make_tiny_model(

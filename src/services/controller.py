@@ -83,6 +83,7 @@ class Controller:
         self._tokenizer: Any = None
         self._records: Any = None
         self.started = time.time()
+        self.last_progress = self.started
 
     # ------------------------------------------------------------------ set-up
 
@@ -161,6 +162,7 @@ class Controller:
         self.learner_version = done.policy_version
         control.policy_version = done.policy_version
         self.step = done.step + 1
+        self.last_progress = time.time()
         for uid in done.trained_uids:
             self.schedule.write({"uid": uid, "step": done.step, "version": done.policy_version})
         record = {
@@ -175,6 +177,20 @@ class Controller:
         self.log.info("step_done", **{k: record[k] for k in ("step", "trained", "dropped")})
         # heartbeats carry the version to everyone (stand-in engines read it there)
         await control.broadcast(Heartbeat(service="controller", policy_version=done.policy_version))
+
+    async def watchdog(self) -> None:
+        """End the run with a clear error when no step finishes in `step_timeout_s`."""
+        limit = self.config.controller.step_timeout_s
+        while True:
+            await asyncio.sleep(1.0)
+            if time.time() - self.last_progress > limit:
+                self.log.error(
+                    "run_stalled",
+                    step=self.step,
+                    seconds=limit,
+                    hint="no learner step finished in time; read runs/<name>/logs/*.log",
+                )
+                return
 
     async def inbox_loop(self, control: ControlServer, finished: asyncio.Event) -> None:
         while True:
@@ -236,7 +252,11 @@ class Controller:
             asyncio.create_task(self.release_loop(prompts)),
             asyncio.create_task(self.inbox_loop(control, finished)),
         ]
-        waiters = [asyncio.create_task(finished.wait()), asyncio.create_task(stop.wait())]
+        waiters = [
+            asyncio.create_task(finished.wait()),
+            asyncio.create_task(stop.wait()),
+            asyncio.create_task(self.watchdog()),
+        ]
         await asyncio.wait([*tasks, *waiters], return_when=asyncio.FIRST_COMPLETED)
         for task in tasks:
             if task.done() and task.exception():

@@ -27,7 +27,7 @@ class CriticService(Service):
 
     async def setup(self) -> None:
         self.worker = None
-        if self.config.rollout.engine != "standin":
+        if not self.config.run.standin:
             from pipeline.critic_worker import CriticWorker
 
             self.worker = CriticWorker(self.ctx)

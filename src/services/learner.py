@@ -26,10 +26,17 @@ def staleness(group: GroupArrays, version: int) -> int:
     return version - oldest
 
 
-def standin_step(groups: list[GroupArrays]) -> dict[str, float]:
+def batch_stats(groups: list[GroupArrays]) -> dict[str, float]:
+    """What the step's samples look like, whoever trains on them."""
     scores = [s.score for g in groups for s in g.samples]
-    tokens = sum(len(s.response_ids) for g in groups for s in g.samples)
-    return {"reward_mean": float(np.mean(scores)) if scores else 0.0, "tokens": float(tokens)}
+    lengths = [len(s.response_ids) for g in groups for s in g.samples]
+    return {
+        "reward_mean": float(np.mean(scores)) if scores else 0.0,
+        "reward_max": float(np.max(scores)) if scores else 0.0,
+        "response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
+        "tokens": float(sum(lengths)),
+        "reward_errors": float(sum(g.reward_errors for g in groups)),
+    }
 
 
 class LearnerService(Service):
@@ -39,7 +46,7 @@ class LearnerService(Service):
         self.version = self.ctx.policy_version
         self.step = self.version
         self.trainer: Any = None
-        if self.config.rollout.engine != "standin":
+        if not self.config.run.standin:
             from pipeline.learner_worker import LearnerWorker
 
             self.trainer = LearnerWorker(self.ctx)
@@ -79,11 +86,11 @@ class LearnerService(Service):
             groups = [g for _, g in fresh]
             lag = [staleness(g, self.version) for g in groups]
             start = time.perf_counter()
-            if self.trainer is None:
-                metrics = standin_step(groups)
-            else:
-                metrics = await self.trainer.train(groups, self.step)
+            metrics = batch_stats(groups)
+            if self.trainer is not None:
+                metrics.update(await self.trainer.train(groups, self.step))
             metrics["step_seconds"] = time.perf_counter() - start
+            metrics["tokens_per_s"] = metrics["tokens"] / max(metrics["step_seconds"], 1e-9)
             metrics["staleness_max"] = float(max(lag, default=0))
             metrics["staleness_mean"] = float(np.mean(lag)) if lag else 0.0
             self.step += 1

@@ -18,7 +18,7 @@ class RolloutService(Service):
 
     async def setup(self) -> None:
         self.engine: Any = None
-        if self.config.rollout.engine != "standin":
+        if not self.config.run.standin:
             from pipeline.rollout_worker import start_engine
 
             self.engine = await start_engine(self.ctx)

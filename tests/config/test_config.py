@@ -26,17 +26,17 @@ def test_every_profile_loads_and_round_trips(profile):
 def test_dotted_overrides_are_typed():
     config = load_config(
         REPO / "profiles/local-cpu.toml",
-        parse_override_args(["--learner.optim.lr", "1e-6", "--controller.max_staleness=0"]),
+        parse_override_args(["--learner.trainer.lr", "1e-6", "--controller.max_staleness=0"]),
     )
-    assert config.learner.optim.lr == 1e-6
+    assert config.learner.trainer.lr == 1e-6
     assert config.controller.max_staleness == 0
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"learner.optim.lrr": "1"}, "did you mean 'lr'"),
-        ({"rollout.engine": "nope"}, "one of ['standin', 'torch', 'hf', 'vllm']"),
+        ({"learner.trainer.lrr": "1"}, "did you mean 'lr'"),
+        ({"rollout.engine": "nope"}, "one of ['torch', 'hf', 'vllm']"),
         ({"controller.max_staleness": "-1"}, "0 = synchronous PPO"),
         ({"services.rollout.pool": "gpu"}, "define [pools.gpu]"),
         ({"controller.steps": "'ten'"}, "must be an integer"),

@@ -141,8 +141,10 @@ def _value(t: mi.Type, pick: Picker, pack: TensorPack, depth: int) -> Any:
     if isinstance(t, mi.TupleType):
         return tuple(_value(item, pick, pack, depth) for item in t.item_types)
     if isinstance(t, mi.DictType):
-        return {_value(t.key_type, pick, pack, depth): _value(t.value_type, pick, pack, depth)
-                for _ in range(size)}  # fmt: skip
+        return {
+            _value(t.key_type, pick, pack, depth): _value(t.value_type, pick, pack, depth)
+            for _ in range(size)
+        }
     raise NotImplementedError(f"no random values for {t!r}; teach msg_factories about it")
 
 

@@ -51,7 +51,9 @@ def as_bytes(frames: list[Any]) -> list[Any]:
     is its first dimension, not its byte size (see the xfail test below), so in-memory
     round trips hand it byte views of the very same buffers.
     """
-    return [memoryview(f).cast("B") if isinstance(f, np.ndarray) else f for f in frames]
+    return [
+        memoryview(f.reshape(-1).view(np.uint8)) if isinstance(f, np.ndarray) else f for f in frames
+    ]
 
 
 def _check(msg: Message, body: Any, pack: TensorPack, *, run_id: str, sender: str) -> None:
@@ -73,7 +75,7 @@ def _check(msg: Message, body: Any, pack: TensorPack, *, run_id: str, sender: st
 def test_every_msg_type_has_its_struct() -> None:
     assert set(MESSAGE_TYPES) <= set(MsgType)
     for tag, cls in MESSAGE_TYPES.items():
-        assert cls.TYPE == tag
+        assert tag == cls.TYPE
 
 
 @pytest.mark.parametrize("cls", TYPES, ids=lambda c: c.__name__)

@@ -7,7 +7,10 @@ import threading
 
 import pytest
 import torch
-from wsync_common import (
+
+from pipeline.models import CausalLM
+from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
+from tests.weights.wsync_common import (
     ROLLOUT_DTYPE,
     SMALL_BUCKET,
     TINY,
@@ -16,9 +19,6 @@ from wsync_common import (
     free_port,
     read_events,
 )
-
-from pipeline.models import CausalLM
-from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
 
 pytestmark = [
     pytest.mark.gpu,

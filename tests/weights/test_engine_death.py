@@ -14,7 +14,11 @@ import time
 
 import pytest
 import torch
-from wsync_common import (
+
+from pipeline.errors import WeightSyncError
+from pipeline.models import CausalLM
+from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
+from tests.weights.wsync_common import (
     ROLLOUT_DTYPE,
     SMALL_BUCKET,
     TINY,
@@ -24,10 +28,6 @@ from wsync_common import (
     read_events,
     wait_for,
 )
-
-from pipeline.errors import WeightSyncError
-from pipeline.models import CausalLM
-from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
 
 BUCKET_S = 2.0
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 
 import torch
-from wsync_common import HERE, assert_engine_equal, engine_cmd, free_port
+
+from tests.weights.wsync_common import HERE, assert_engine_equal, engine_cmd, free_port
 
 VERSIONS = 3
 CONFIGS = ["default", "small_verify", "striped"]

@@ -8,14 +8,6 @@ import time
 import pytest
 import torch
 import zmq
-from wsync_common import (
-    ROLLOUT_DTYPE,
-    TINY,
-    assert_engine_equal,
-    free_port,
-    shard_specs,
-    wait_for,
-)
 
 from pipeline import codec
 from pipeline.errors import WeightSyncError
@@ -30,14 +22,23 @@ from pipeline.weights import (
     WeightReceiver,
 )
 from pipeline.weights.validate import ParamSpec
+from tests.weights.wsync_common import (
+    ROLLOUT_DTYPE,
+    TINY,
+    assert_engine_equal,
+    free_port,
+    shard_specs,
+    wait_for,
+)
 
 FAST = SyncTimeouts(group_s=5, meta_s=1.0, bucket_s=2, apply_s=5)
 
 
 class Engine:
-    """A receiver thread plus the weights it serves."""
+    """A receiver thread plus the weights it serves (stopped at teardown by `hub`)."""
 
     def __init__(self, hub, name, specs, *, tp_rank=0, tp_size=1, apply=None, version=-1):
+        hub.test_engines.append(self)
         self.serving = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
         self.applied: list[int] = []
 
@@ -70,7 +71,10 @@ def model():
 @pytest.fixture
 def hub():
     h = WeightHub(endpoint=f"tcp://127.0.0.1:{free_port()}")
+    h.test_engines = []
     yield h
+    for engine in h.test_engines:
+        engine.receiver.stop()
     h.close()
 
 
@@ -103,8 +107,6 @@ def test_roundtrip_bitwise_with_tp_and_split_tensors(model, hub, bucket_bytes, v
         for e, (r, t) in zip(engines, [(0, 1), (0, 2), (1, 2)], strict=True):
             assert e.applied[-1] == version and e.receiver.version == version
             assert_engine_equal(_expected(model), e.serving, r, t)
-    for e in engines:
-        e.receiver.stop()
 
 
 def test_bad_metadata_is_refused_with_every_name_and_old_version_keeps_serving(model, hub):
@@ -145,8 +147,6 @@ def test_bad_metadata_is_refused_with_every_name_and_old_version_keeps_serving(m
     assert report.engines == ["good"]
     assert good.receiver.version == 2 and bad.receiver.version == 0
     assert "missing: model.extra.weight" in bad.receiver.last_error
-    for e in (good, bad):
-        e.receiver.stop()
 
 
 def test_apply_timeout_fails_the_update_and_keeps_the_old_version(model, hub):
@@ -160,7 +160,6 @@ def test_apply_timeout_fails_the_update_and_keeps_the_old_version(model, hub):
     assert info.value.phase == "apply" and info.value.peer == "stuck"
     assert engine.receiver.version == 7
     assert parked.run_pending() is None  # withdrawn: a late safe point does not apply it
-    engine.receiver.stop()
 
 
 def _fake_engine(hub, name):
@@ -206,8 +205,6 @@ def test_engine_silent_on_metadata_is_named_dropped_and_rejoins(model, hub):
     report = publisher.publish(2)
     assert report.engines == ["good", "mute"]
     assert good.receiver.version == 2 and mute.receiver.version == 2
-    for e in (good, mute):
-        e.receiver.stop()
 
 
 def test_checksum_mismatch_fails_in_the_verify_phase_and_keeps_the_old_version(model, hub):
@@ -228,4 +225,3 @@ def test_checksum_mismatch_fails_in_the_verify_phase_and_keeps_the_old_version(m
     publisher.publish(2)  # the group is rebuilt and the next update lands
     assert engine.receiver.version == 2
     assert_engine_equal(_expected(model), engine.serving, 0, 1)
-    engine.receiver.stop()

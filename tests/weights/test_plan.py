@@ -7,12 +7,12 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from wsync_common import full_shapes
 
 from pipeline.errors import ConfigError
 from pipeline.weights import tp
 from pipeline.weights.checksum import checksum
 from pipeline.weights.plan import BucketPlan, TensorSpec, chunks_of
+from tests.weights.wsync_common import full_shapes
 
 BF16 = torch.bfloat16
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from wsync_common import full_shapes, shard_specs
 
 from pipeline.errors import MetadataRejected
 from pipeline.messages import WeightMeta
 from pipeline.weights.plan import BucketPlan, TensorSpec
 from pipeline.weights.validate import ParamSpec, validate_meta
+from tests.weights.wsync_common import full_shapes, shard_specs
 
 BF16 = torch.bfloat16
 

@@ -9,12 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tests.weights
 
 import torch
-from wsync_common import ROLLOUT_DTYPE, shard_specs
 
 from pipeline.weights import SafePointApply, SyncTimeouts, WeightReceiver, cuda_ipc
+from tests.weights.wsync_common import ROLLOUT_DTYPE, shard_specs
 
 
 def emit(**event: object) -> None:

@@ -9,15 +9,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tests.weights
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from wsync_common import ROLLOUT_DTYPE, SMALL_BUCKET, TINY
 
 from pipeline.models import CausalLM, parallelize
 from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
+from tests.weights.wsync_common import ROLLOUT_DTYPE, SMALL_BUCKET, TINY
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.errors import ConfigError
+from pipeline.training.config import TrainerConfig
 from pipeline.transport.channel import ChannelConfig
 
 ROLES = ("controller", "rollout", "reward", "critic", "learner", "reference")
@@ -23,6 +24,10 @@ class RunConfig:
     host: str = "127.0.0.1"
     controller_port: int = 0
     handshake_timeout_s: float = 20.0
+    # stand-in services: fixed completions and no training (tests the plumbing alone)
+    standin: bool = False
+    # torch threads per service process (several services share a CPU host)
+    torch_threads: int = 1
     # allow binding a non-loopback address without CURVE keys (never in production)
     allow_insecure: bool = False
 
@@ -94,7 +99,7 @@ class ControllerConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: Literal["standin", "torch", "hf", "vllm"] = "standin"
+    engine: Literal["torch", "hf", "vllm"] = "torch"
     n_samples: int = 4
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -117,29 +122,17 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-
-
-@dataclass(frozen=True)
 class LearnerConfig:
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    max_tokens_per_micro_batch: int = 4096
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1e-5))
+    # save a checkpoint every this many steps (0: only at the end of the run)
     checkpoint_every: int = 0
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    keep_checkpoints: int = 2
 
 
 @dataclass(frozen=True)
 class CriticConfig:
     enabled: bool = True
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1e-4))
 
 
 @dataclass(frozen=True)

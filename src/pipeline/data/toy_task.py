@@ -15,6 +15,7 @@ from pipeline.data.records import PromptRecord
 DATA_SOURCE = "toy_reverse"
 MIN_DIGITS = 3
 MAX_DIGITS = 5
+ALPHABET = "0123456789"
 
 
 def toy_prompt(digits: str) -> str:

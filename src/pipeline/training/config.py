@@ -9,18 +9,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from pipeline.errors import ConfigError
 
 Schedule = Literal["constant", "linear", "cosine"]
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
+_DTYPES: dict[str, str] = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
 }
 _SECTION = "trainer"
 
@@ -131,10 +132,14 @@ class TrainerConfig:
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """Parameter dtype used in forward/backward (master weights stay float32)."""
+        import torch
+
         if self.param_dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.param_dtype]
+        return getattr(torch, _DTYPES[self.param_dtype])
 
     @property
     def reduce_torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.reduce_dtype]
+        import torch
+
+        return getattr(torch, _DTYPES[self.reduce_dtype])

@@ -28,7 +28,7 @@ from torch import nn
 
 from pipeline.errors import ConfigError, WeightSyncError
 from pipeline.log import get_logger
-from pipeline.messages import Hello, WeightDone, WeightMeta
+from pipeline.messages import WeightMeta
 from pipeline.weights.checksum import checksum
 from pipeline.weights.config import PublishConfig, resolve_transport
 from pipeline.weights.cuda_ipc import IpcSender, IpcSlots
@@ -37,26 +37,13 @@ from pipeline.weights.group import WeightGroup, store_client
 from pipeline.weights.hub import WeightHub
 from pipeline.weights.learner_comm import LearnerComm
 from pipeline.weights.plan import BucketPlan, TensorSpec
+from pipeline.weights.rounds import done_round, failure_text, meta_round, parse_failure
 from pipeline.weights.wire import (
     GroupAssign,
     IpcBuffers,
-    MetaAccepted,
-    MetaRejected,
-    Received,
-    SyncGo,
 )
 
 log = get_logger("weights.publisher")
-
-
-class _Failure(msgspec.Struct):
-    phase: str
-    peer: str
-    detail: str
-
-
-def _failure_text(phase: str, peer: str, detail: str) -> str:
-    return msgspec.json.encode(_Failure(phase, peer, detail)).decode()
 
 
 @dataclass
@@ -156,7 +143,11 @@ class WeightPublisher:
         failed_anywhere = self.comm.any_true(failure is not None)
         phases["buckets"] = time.perf_counter() - t
         t = time.perf_counter()
-        outcome = self._finish(version, failure, failed_anywhere) if self.hub is not None else ""
+        outcome = ""
+        if self.hub is not None:
+            deadlines = self.config.timeouts
+            timeout = deadlines.bucket_s if failed_anywhere else deadlines.apply_s
+            outcome = done_round(self.hub, self.members, version, timeout, failure, failed_anywhere)
         outcome = self.comm.bcast_text(outcome)
         phases["done"] = time.perf_counter() - t
         if outcome:
@@ -189,7 +180,7 @@ class WeightPublisher:
     def _fail(self, text: str) -> NoReturn:
         self._close_group()
         self._dirty = True
-        f = msgspec.json.decode(text, type=_Failure)
+        f = parse_failure(text)
         log.error("weight_sync_failed", phase=f.phase, peer=f.peer, detail=f.detail)
         raise WeightSyncError(f.phase, f.peer, f.detail)
 
@@ -227,7 +218,7 @@ class WeightPublisher:
             if unreachable:
                 for n in unreachable:
                     hub.drop(n, "not connected when the weight group was rebuilt")
-                error = _failure_text("group", ", ".join(unreachable), "engine not connected")
+                error = failure_text("group", ", ".join(unreachable), "engine not connected")
             hub.generation, hub.changed = generation, False
             self.members = names
             spec_text = msgspec.json.encode(base).decode()
@@ -236,6 +227,7 @@ class WeightPublisher:
             self._fail(error)
         spec = msgspec.json.decode(self.comm.bcast_text(spec_text), type=GroupAssign)
         self.generation = generation
+        self.members = spec.members[self.senders :]  # every learner rank knows them
         local: WeightSyncError | None = None
         if self.participates:
             try:
@@ -248,7 +240,7 @@ class WeightPublisher:
             text = ""
             if self.hub is not None:
                 exc = local or WeightSyncError("group", "learner", "another learner rank failed")
-                text = _failure_text("group", exc.peer, str(exc))
+                text = failure_text("group", exc.peer, str(exc))
             self._fail(self.comm.bcast_text(text))
         self._dirty = False
 
@@ -290,53 +282,17 @@ class WeightPublisher:
     def _meta_round(self, version: int, checksums: list[int] | None) -> None:
         text = ""
         if self.hub is not None:
-            text = self._meta_rank0(self.hub, version, checksums)
+            meta = WeightMeta(
+                version=version,
+                entries=self.plan.entries(checksums),
+                bucket_sizes=list(self.plan.bucket_sizes),
+                transport=self.transport,
+                verify=self.config.verify,
+            )
+            text = meta_round(self.hub, self.members, meta, self.config.timeouts.meta_s)
         text = self.comm.bcast_text(text)
         if text:
             self._fail(text)
-
-    def _meta_rank0(self, hub: WeightHub, version: int, checksums: list[int] | None) -> str:
-        meta = WeightMeta(
-            version=version,
-            entries=self.plan.entries(checksums),
-            bucket_sizes=list(self.plan.bucket_sizes),
-            transport=self.transport,
-            verify=self.config.verify,
-        )
-        attempt = {n: hub.send(n, meta) for n in self.members}
-        rejected: dict[str, str] = {}
-        restarted: set[str] = set()
-
-        def on_reply(name: str, rcv: Received) -> bool:
-            ctl = rcv.control
-            if isinstance(ctl, MetaAccepted) and ctl.attempt == attempt[name]:
-                return True
-            if isinstance(ctl, MetaRejected) and ctl.attempt == attempt[name]:
-                rejected[name] = ctl.error
-                return True
-            if isinstance(rcv.message.body, Hello):
-                restarted.add(name)
-                return True
-            return False
-
-        timeout = self.config.timeouts.meta_s
-        answered = hub.collect([n for n in self.members if attempt[n]], timeout, on_reply)
-        silent = [n for n in self.members if n not in answered]
-        proceed = not silent and not rejected and not restarted
-        for name in self.members:
-            if name not in restarted:
-                hub.send(name, SyncGo(version=version, attempt=attempt[name], proceed=proceed))
-        if proceed:
-            return ""
-        for name in silent:
-            hub.drop(name, f"no answer to WeightMeta v{version} within {timeout:.1f}s")
-        for name, error in rejected.items():
-            hub.drop(name, error, rejoin=False)
-        details = [f"{n}: {e}" for n, e in rejected.items()]
-        details += [f"{n}: no answer within {timeout:.1f}s" for n in silent]
-        details += [f"{n}: restarted" for n in sorted(restarted)]
-        peers = [*rejected, *silent, *sorted(restarted)]
-        return _failure_text("meta", ", ".join(peers), "; ".join(details))
 
     # ------------------------------------------------------------------ buckets
 
@@ -407,41 +363,6 @@ class WeightPublisher:
         return first
 
     # ------------------------------------------------------------------ done
-
-    def _finish(self, version: int, failure: tuple[str, str] | None, failed_anywhere: bool) -> str:
-        assert self.hub is not None
-        t = self.config.timeouts
-        timeout = t.bucket_s if failed_anywhere else t.apply_s
-        failed: dict[str, str] = {}
-
-        def on_reply(name: str, rcv: Received) -> bool:
-            body = rcv.message.body
-            if isinstance(body, WeightDone) and body.version == version:
-                if not body.ok:
-                    failed[name] = body.error
-                return True
-            if isinstance(body, Hello):
-                failed[name] = "restarted during the update"
-                return True
-            return False
-
-        answered = self.hub.collect(self.members, timeout, on_reply)
-        silent = [n for n in self.members if n not in answered]
-        if not (failed_anywhere or failed or silent):
-            return ""
-        for name in silent:
-            self.hub.drop(name, f"no WeightDone for v{version} within {timeout:.1f}s")
-        if silent:  # named first: a dead engine explains everyone else's failure
-            phase = "buckets" if failed_anywhere else "done"
-        elif failed:  # the engine's own phase (e.g. verify, apply)
-            phase = next(iter(failed.values())).split(":", 1)[0] or "done"
-        else:
-            phase = "buckets"
-        peer = ", ".join(silent) or ", ".join(failed) or (failure[0] if failure else "learner")
-        details = [f"{n}: no WeightDone within {timeout:.1f}s (dead or stuck)" for n in silent]
-        details += [f"learner: {failure[1]}"] if failure else []
-        details += [f"{n}: {e}" for n, e in failed.items()]
-        return _failure_text(phase, peer, "; ".join(details))
 
     def close(self) -> None:
         self._close_group()

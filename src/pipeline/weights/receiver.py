@@ -62,6 +62,15 @@ class _Abort(Exception):
 
 
 class WeightReceiver:
+    """Receives updates for one engine rank and hands each complete one to `apply`.
+
+    `params` are this rank's own parameters (its TP slice); metadata is checked against
+    them with full shapes derived by `tp.full_shape`. Deadlines: `meta_s` for the learner's
+    go/abort after we accepted, the group's collective timeout (the learner's `bucket_s`,
+    from GroupAssign) per broadcast, `bucket_s` per CUDA IPC bucket, `apply_s` for the
+    engine's safe point. Run it with `start()` (own thread) or drive it with `run_until`.
+    """
+
     def __init__(
         self,
         name: str,

@@ -1,0 +1,135 @@
+"""The figure format every bench shares (see BENCHMARKS.md), built, printed and written once.
+
+A figure is only worth quoting next to the baseline and the bound measured in the same run,
+with the commit, the device and the config that produced it; building all of them here
+keeps the benches' JSON lines identical in keys and order, so one reader parses them all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+KEYS = (
+    "bench",
+    "figure",
+    "value",
+    "baseline",
+    "baseline_value",
+    "ratio",
+    "bound",
+    "fraction_of_bound",
+    "device",
+    "config",
+    "git",
+    "date",
+)
+
+
+def git_sha() -> str:
+    """`git rev-parse HEAD` of the checkout this module lives in, or "unknown"."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def cpu_name() -> str:
+    """The CPU model as the kernel reports it; timings on shared machines need it beside them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_device() -> str:
+    return f"cpu ({cpu_name()})"
+
+
+def _num(x: float, digits: int = 6) -> float:
+    """Round to significant digits: msgs/s and GB/s span ten orders of magnitude."""
+    if x == 0 or not math.isfinite(x):
+        return float(x)
+    return float(f"{x:.{digits}g}")
+
+
+def figure(
+    bench: str,
+    name: str,
+    value: float,
+    *,
+    baseline: str,
+    baseline_value: float,
+    bound: float,
+    config: dict[str, Any],
+    device: str,
+    lower_is_better: bool = False,
+    git: str | None = None,
+    date: str | None = None,
+) -> dict[str, Any]:
+    """One figure. `ratio` > 1 always means better than the baseline, and `fraction_of_bound`
+    <= 1 how close to the bound we get, whichever way the unit points (seconds vs. GB/s)."""
+    if lower_is_better:
+        ratio, of_bound = baseline_value / value, bound / value
+    else:
+        ratio, of_bound = value / baseline_value, value / bound
+    return {
+        "bench": bench,
+        "figure": name,
+        "value": _num(value),
+        "baseline": baseline,
+        "baseline_value": _num(baseline_value),
+        "ratio": round(ratio, 4),
+        "bound": _num(bound),
+        "fraction_of_bound": round(of_bound, 4),
+        "device": device,
+        "config": config,
+        "git": git if git is not None else git_sha(),
+        "date": date if date is not None else now_iso(),
+    }
+
+
+def table(figures: Sequence[dict[str, Any]]) -> str:
+    """The human-readable table printed before the JSON lines."""
+    width = max([len("figure"), *(len(f["figure"]) for f in figures)]) + 2
+    lines = [
+        f"{'figure':<{width}}{'value':>14}{'baseline':>14}{'ratio':>8}{'bound':>14}{'of bound':>10}"
+    ]
+    for f in figures:
+        lines.append(
+            f"{f['figure']:<{width}}{f['value']:>14.6g}{f['baseline_value']:>14.6g}"
+            f"{f['ratio']:>8.3f}{f['bound']:>14.6g}{f['fraction_of_bound']:>10.3f}"
+        )
+    return "\n".join(lines)
+
+
+def emit(figures: Iterable[dict[str, Any]], json_path: str | Path | None = None) -> None:
+    """Print one JSON object per line (last thing on stdout); with a path, also write the list."""
+    figs = [{k: f[k] for k in KEYS} for f in figures]
+    for f in figs:
+        print(json.dumps(f), flush=True)
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(figs, indent=1) + "\n")

@@ -1,0 +1,443 @@
+"""Transport bench: msgs/s and GB/s of the queue layer for 1 KiB, 1 MiB and 64 MiB tensors.
+
+    python -m pipeline.bench.transport [--json OUT] [--seconds S] [--repeats R] [--sizes ...]
+
+Producer and consumer always run in separate processes (this module re-run with `--role`,
+arguments ints and strings only), over ipc:// (unix sockets) for every system:
+  ours      `QueueServer` -> `QueueClient`, credit and acks on: the producer sends `Prompt`s
+            whose tensor is the payload, the consumer views the tensor and acks each item
+  baseline  raw pyzmq PUSH/PULL of the same payload bytes, copy=False both ways, high-water
+            marks set to the credit window `ours` runs with
+  bound     an AF_UNIX stream socket: sendall() of the same bytes (small messages 256 KiB
+            at a time), recv_into() a reused buffer
+Each run warms up, then the consumer times a window; runs of the three systems are
+interleaved and repeated, and the medians are reported. Prints a table, then one JSON object
+per figure (`pipeline.bench.common`); `ratio` is ours / baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+KIB, MIB = 1024, 1024 * 1024
+SIZES = {"1KiB": KIB, "1MiB": MIB, "64MiB": 64 * MIB}
+SYSTEMS = ("ours", "zmq", "socket")
+BASELINE = "raw_pyzmq_push_pull"
+RUN_ID = "bench"
+# a timed window also needs this many messages, so 64 MiB figures rest on a few dozen
+MIN_MSGS = {KIB: 2000, MIB: 100, 64 * MIB: 24}
+BATCH_BYTES = 256 * KIB  # the bound's smallest write
+
+
+def label(size: int) -> str:
+    for name, n in SIZES.items():
+        if n == size:
+            return name
+    return f"{size}B"
+
+
+def parse_size(text: str) -> int:
+    if text in SIZES:
+        return SIZES[text]
+    for suffix, mult in (("KiB", KIB), ("MiB", MIB)):
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * mult
+    return int(text)
+
+
+def min_msgs(size: int, a: argparse.Namespace) -> int:
+    return a.min_msgs if a.min_msgs is not None else MIN_MSGS.get(size, 16)
+
+
+def credit_window(size: int) -> int:
+    """Prefetch (and baseline HWM): about 32 MiB in flight, never fewer than 4 items.
+
+    One credit per item would make every item wait a round trip; a window this deep keeps
+    the pipe full while bounding the consumer's buffered bytes.
+    """
+    return max(4, min(256, (32 * MIB) // size))
+
+
+# ----------------------------------------------------------------------------- consumers
+
+
+class Window:
+    """Warm-up, then one timed window, both measured where the data lands (the consumer)."""
+
+    def __init__(self, size: int, seconds: float, warmup: float, min_msgs: int) -> None:
+        self.size = size
+        self.seconds = seconds
+        self.warmup = warmup
+        self.min_msgs = min_msgs
+        self.first: float | None = None
+        self.t0: float | None = None
+        self.bytes = 0
+
+    def add(self, nbytes: int) -> bool:
+        """Count bytes received; True once the window is complete."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        if self.t0 is None:
+            if now - self.first >= self.warmup:
+                self.t0 = now  # this arrival opens the window; bytes after it count
+            return False
+        self.bytes += nbytes
+        return now - self.t0 >= self.seconds and self.bytes >= self.min_msgs * self.size
+
+    def report(self) -> None:
+        assert self.t0 is not None
+        elapsed = time.perf_counter() - self.t0
+        result = {"msgs": self.bytes / self.size, "bytes": self.bytes, "seconds": elapsed}
+        print(json.dumps(result), flush=True)
+
+
+def ours_consumer(a: argparse.Namespace) -> None:
+    from pipeline.transport.channel import run_async
+
+    async def main() -> None:
+        from pipeline.transport import QueueClient
+
+        client = QueueClient(
+            "prompts", [a.endpoint], run_id=RUN_ID, consumer="bench", config=config(a)
+        )
+        await client.start()
+        window = Window(a.size, a.seconds, a.warmup, a.min_msgs)
+        done = False
+        while not done:
+            delivery = await client.get()
+            tensor = delivery.message.tensor(delivery.body.prompt_ids)  # zero-copy view
+            done = window.add(tensor.nbytes)
+            delivery.ack()
+        window.report()
+        await client.close()
+
+    run_async(main())
+
+
+def zmq_consumer(a: argparse.Namespace) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, a.hwm)
+    sock.connect(a.endpoint)
+    window = Window(a.size, a.seconds, a.warmup, a.min_msgs)
+    while not window.add(len(sock.recv(copy=False).buffer)):
+        pass
+    window.report()
+    sock.close(linger=0)
+    ctx.term()
+
+
+def socket_consumer(a: argparse.Namespace) -> None:
+    path = a.endpoint.removeprefix("ipc://")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    buf = memoryview(bytearray(max(a.size, 4 * MIB)))
+    window = Window(a.size, a.seconds, a.warmup, a.min_msgs)
+    while True:
+        n = sock.recv_into(buf)
+        if n == 0:
+            raise SystemExit("producer closed the socket")
+        if window.add(n):
+            break
+    window.report()
+    sock.close()
+
+
+# ----------------------------------------------------------------------------- producers
+
+
+def payload(size: int) -> Any:
+    import numpy as np
+
+    return np.random.default_rng(size).integers(0, 256, size=size, dtype=np.uint8)
+
+
+def ours_producer(a: argparse.Namespace) -> None:
+    from pipeline.transport.channel import run_async
+
+    async def main() -> None:
+        from pipeline.codec import TensorPack
+        from pipeline.messages import Prompt
+        from pipeline.transport import QueueServer
+
+        server = QueueServer("prompts", a.endpoint, run_id=RUN_ID, sender="bench", config=config(a))
+        server.start()
+        data = payload(a.size)
+        i = 0
+        while True:  # until the orchestrator stops this process
+            pack = TensorPack()
+            body = Prompt(uid=str(i), prompt_ids=pack.add(data), n_samples=1)
+            await server.send(body, pack)  # the ack future resolves as the consumer acks
+            i += 1
+
+    run_async(main())
+
+
+def zmq_producer(a: argparse.Namespace) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, a.hwm)
+    sock.bind(a.endpoint)
+    data = payload(a.size)
+    while True:
+        sock.send(data, copy=False)
+
+
+def socket_producer(a: argparse.Namespace) -> None:
+    path = a.endpoint.removeprefix("ipc://")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    conn, _ = server.accept()
+    # small messages go out many per call, as ZeroMQ batches them: the bound is the wire's
+    # byte rate, not Python's cost per syscall
+    data = memoryview(payload(a.size).tobytes() * max(1, BATCH_BYTES // a.size))
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        while True:
+            conn.sendall(data)
+
+
+def config(a: argparse.Namespace) -> Any:
+    from pipeline.transport import ChannelConfig
+
+    return ChannelConfig(prefetch=a.prefetch, max_pending=a.max_pending)
+
+
+ROLES = {
+    "ours-producer": ours_producer,
+    "ours-consumer": ours_consumer,
+    "zmq-producer": zmq_producer,
+    "zmq-consumer": zmq_consumer,
+    "socket-producer": socket_producer,
+    "socket-consumer": socket_consumer,
+}
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+
+def _role_args(role: str, endpoint: str, size: int, a: argparse.Namespace) -> list[str]:
+    window = credit_window(size) if a.prefetch is None else a.prefetch
+    pending = a.max_pending or 2 * window
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.bench.transport",
+        "--role",
+        role,
+        "--endpoint",
+        endpoint,
+        "--size",
+        str(size),
+        "--seconds",
+        str(a.seconds),
+        "--warmup",
+        str(a.warmup),
+        "--prefetch",
+        str(window),
+        "--max-pending",
+        str(pending),
+        "--hwm",
+        str(window),
+        "--min-msgs",
+        str(min_msgs(size, a)),
+        *(["--profile", str(a.profile)] if a.profile is not None else []),
+    ]
+
+
+def run_pair(system: str, size: int, tmp: Path, a: argparse.Namespace) -> dict[str, float]:
+    """One producer and one consumer process; the consumer's timed window is the result."""
+    endpoint = f"ipc://{tmp}/{system}-{size}.sock"
+    env = dict(os.environ)
+    env.setdefault("PIPELINE_LOG_LEVEL", "warning")
+    producer = subprocess.Popen(
+        _role_args(f"{system}-producer", endpoint, size, a),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    consumer = subprocess.Popen(
+        _role_args(f"{system}-consumer", endpoint, size, a),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = consumer.communicate(timeout=a.timeout)
+        if consumer.returncode != 0:
+            raise SystemExit(f"{system} consumer ({label(size)}) failed:\n{err[-3000:]}")
+        return json.loads(out.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        raise SystemExit(
+            f"{system} {label(size)} produced no result within {a.timeout}s "
+            f"(producer exit code {producer.poll()})"
+        ) from None
+    finally:
+        for proc in (consumer, producer):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+            if proc.stderr is not None:
+                proc.stderr.close()
+
+
+def measure(a: argparse.Namespace) -> dict[tuple[str, int], list[dict[str, float]]]:
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-transport-") as tmp:
+        for _ in range(a.repeats):
+            for size in a.sizes:
+                for system in SYSTEMS:  # interleaved, so drift hits all three alike
+                    runs.setdefault((system, size), []).append(run_pair(system, size, Path(tmp), a))
+    return runs
+
+
+def figures(
+    runs: dict[tuple[str, int], list[dict[str, float]]], a: argparse.Namespace
+) -> list[dict]:
+    from pipeline.bench.common import cpu_device, figure, git_sha, now_iso
+
+    device, git, date = cpu_device(), git_sha(), now_iso()
+    out = []
+    for size in a.sizes:
+        rates = {s: [r["msgs"] / r["seconds"] for r in runs[(s, size)]] for s in SYSTEMS}
+        med = {s: statistics.median(v) for s, v in rates.items()}
+        window = credit_window(size) if a.prefetch is None else a.prefetch
+        config = {
+            "payload_bytes": size,
+            "seconds": a.seconds,
+            "warmup_s": a.warmup,
+            "repeats": a.repeats,
+            "min_msgs": min_msgs(size, a),
+            "msgs_per_s_runs": {s: [round(v, 1) for v in rates[s]] for s in SYSTEMS},
+            "prefetch": window,
+            "max_pending": a.max_pending or 2 * window,
+            "acks": True,
+            "message": "Prompt with one uint8 tensor frame",
+            "transport": "ipc",
+            "baseline_kind": f"PUSH/PULL, payload frame only, copy=False, SNDHWM=RCVHWM={window}",
+            "bound_kind": "AF_UNIX stream, sendall >= 256 KiB / recv_into a reused buffer",
+            "timing": "consumer side, median of repeats; GB = 1e9 payload bytes",
+        }
+        common = {
+            "baseline": BASELINE,
+            "config": config,
+            "device": device,
+            "git": git,
+            "date": date,
+        }
+        name = label(size)
+        out.append(
+            figure(
+                "transport",
+                f"msgs_per_s_{name}",
+                med["ours"],
+                baseline_value=med["zmq"],
+                bound=med["socket"],
+                **common,
+            )
+        )
+        gb = size / 1e9
+        out.append(
+            figure(
+                "transport",
+                f"gbps_{name}",
+                med["ours"] * gb,
+                baseline_value=med["zmq"] * gb,
+                bound=med["socket"] * gb,
+                **common,
+            )
+        )
+    return out
+
+
+def run_role(a: argparse.Namespace) -> None:
+    """One side of one run; with --profile, under cProfile until the orchestrator stops it."""
+    if a.profile is None:
+        ROLES[a.role](a)
+        return
+    import cProfile
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    a.profile.mkdir(parents=True, exist_ok=True)
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(ROLES[a.role], a)
+    finally:
+        prof.dump_stats(a.profile / f"{a.role}-{label(a.size)}.prof")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeline.bench.transport", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--seconds", type=float, default=1.0, help="timed window per run")
+    ap.add_argument("--warmup", type=float, default=0.3, help="untimed seconds before it")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sizes", default="1KiB,1MiB,64MiB", help="comma-separated payload sizes")
+    ap.add_argument("--prefetch", type=int, default=None, help="default: ~32 MiB in flight")
+    ap.add_argument("--max-pending", type=int, default=None, help="default: 2 x prefetch")
+    ap.add_argument("--min-msgs", type=int, default=None, help="per window; default by size")
+    ap.add_argument("--timeout", type=float, default=120.0, help="per run, seconds")
+    # internal: one side of one run
+    ap.add_argument("--role", choices=sorted(ROLES), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--hwm", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", type=Path, default=None, help="cProfile each process into DIR")
+    a = ap.parse_args(argv)
+    if a.role is not None:
+        run_role(a)
+        return
+    a.sizes = [parse_size(s.strip()) for s in a.sizes.split(",") if s.strip()]
+    started = time.monotonic()
+    figs = figures(measure(a), a)
+    from pipeline.bench.common import emit, table
+
+    print(
+        f"transport  device={figs[0]['device']}  ipc  producer/consumer in separate processes  "
+        f"{a.repeats} repeats x {a.seconds}s (medians)  took {time.monotonic() - started:.0f}s"
+    )
+    print(table(figs))
+    emit(figs, a.json)
+
+
+if __name__ == "__main__":
+    main()

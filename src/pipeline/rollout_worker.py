@@ -1,0 +1,158 @@
+"""The rollout service's engine, driven on its own thread so the event loop stays live.
+
+Prompts from concurrent `generate` calls join the engine's running batch (continuous
+batching); a weight update is staged from any thread and the engine applies it between
+decode steps, so sequences in flight record both versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipeline.log import get_logger
+from pipeline.messages import Prompt
+from pipeline.samples import SampleArrays
+
+
+@dataclass
+class _Pending:
+    prompt: Prompt
+    future: asyncio.Future[list[SampleArrays]]
+    outputs: dict[int, Any] = field(default_factory=dict)
+
+
+class EngineRunner:
+    def __init__(self, engine: Any, tokenizer: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.loop = loop
+        self._submit: queue.SimpleQueue[tuple[str, list[int], Any, _Pending]] = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}
+        self._wake = threading.Event()
+        self._closed = False
+        self._error: BaseException | None = None
+        self.log = get_logger("engine_runner")
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int:
+        return int(self.engine.version)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        eos = self.tokenizer.eos_token_id
+        return () if eos is None else (int(eos),)
+
+    async def generate(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:
+        from pipeline.engines import SamplingParams
+
+        if self._error is not None:
+            raise self._error
+        params = SamplingParams(
+            temperature=prompt.temperature,
+            top_p=prompt.top_p,
+            top_k=max(0, prompt.top_k),
+            max_new_tokens=prompt.max_new_tokens,
+            stop_token_ids=self.stop_ids(),
+            n=prompt.n_samples,
+        )
+        pending = _Pending(prompt=prompt, future=self.loop.create_future())
+        self._submit.put((prompt.uid, [int(t) for t in prompt_ids], params, pending))
+        self._wake.set()
+        return await pending.future
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Stage a complete update; the engine applies it at its next safe point."""
+        self.engine.update_weights(named_tensors, version)
+        self._wake.set()
+
+    def _finish(self, pending: _Pending) -> None:
+        samples = []
+        for index in range(pending.prompt.n_samples):
+            out = pending.outputs[index]
+            ids = np.asarray(out.output_ids, np.int32)
+            samples.append(
+                SampleArrays(
+                    uid=f"{pending.prompt.uid}/{index}",
+                    response_ids=ids,
+                    behaviour_logprobs=np.asarray(out.logprobs, np.float32),
+                    token_versions=np.asarray(out.token_versions, np.int32),
+                    finish_reason=out.finish_reason,
+                    response_text=self.tokenizer.decode(ids.tolist(), skip_special_tokens=True),
+                )
+            )
+        self.loop.call_soon_threadsafe(_resolve, pending.future, samples)
+
+    def _loop(self) -> None:
+        from pipeline.engines import GenerationRequest
+
+        try:
+            while not self._closed:
+                while not self._submit.empty():
+                    uid, ids, params, pending = self._submit.get()
+                    self._pending[uid] = pending
+                    self.engine.add_request(GenerationRequest(uid, ids, params))
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    pending = self._pending[out.request_id]
+                    pending.outputs[out.sample_index] = out
+                    if len(pending.outputs) == pending.prompt.n_samples:
+                        del self._pending[out.request_id]
+                        self._finish(pending)
+        except BaseException as exc:  # fail the service visibly, never hang its callers
+            self._error = exc
+            self.log.exception("engine_failed")
+            for pending in self._pending.values():
+                self.loop.call_soon_threadsafe(_fail, pending.future, exc)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 10)
+        self.engine.close()
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+async def start_engine(ctx: Any) -> EngineRunner:
+    """Build the configured engine on the run's model directory."""
+    import torch
+
+    from pipeline.engines import make_engine
+    from pipeline.tasks import model_dir
+
+    config = ctx.config
+    directory = model_dir(config, ctx.run_dir)
+    from pipeline.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(directory)
+    device = "cuda" if config.pools[config.services["rollout"].pool].kind == "cuda" else "cpu"
+    dtype = getattr(torch, config.model.dtype)
+    engine = make_engine(
+        config.rollout.engine,
+        directory,
+        device=device,
+        dtype=dtype,
+        max_batch=config.rollout.max_batch,
+        max_seq_len=config.task.max_prompt_tokens + config.rollout.max_new_tokens + 1,
+        seed=config.run.seed + ctx.replica,
+    )
+    return EngineRunner(engine, tokenizer, asyncio.get_running_loop())

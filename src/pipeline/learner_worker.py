@@ -59,9 +59,10 @@ class LearnerWorker:
             loaded = await asyncio.to_thread(self.trainer.load_checkpoint, self.checkpoints)
             self.step = loaded.step
             self.log.info("resumed", step=self.step)
-        from pipeline.weight_link import make_publisher
+        if self.ctx.control is not None:  # not when replaying
+            from pipeline.weight_link import make_publisher
 
-        self.publisher = await make_publisher(self.ctx, self.trainer.model)
+            self.publisher = await make_publisher(self.ctx, self.trainer.model)
 
     async def train(self, groups: list[GroupArrays], step: int) -> dict[str, float]:
         batch = groups_to_batch(groups)
@@ -82,5 +83,14 @@ class LearnerWorker:
         return await self.publisher.publish(version)
 
     async def close(self) -> None:
+        """Save where training ended: a checkpoint to resume from and an HF export."""
         if self.publisher is not None:
             await self.publisher.close()
+        if self.trainer.step > 0:
+            await asyncio.to_thread(
+                self.trainer.save_checkpoint,
+                self.checkpoints,
+                keep_last=self.config.learner.keep_checkpoints,
+            )
+            await asyncio.to_thread(self.trainer.export_hf, Path(self.ctx.run_dir) / "final_model")
+            self.log.info("saved", step=self.trainer.step)

@@ -6,13 +6,16 @@ it (or dropped it) is done, so a learner that dies before that loses nothing.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pipeline import codec
 from pipeline.messages import Dropped, StepDone
-from pipeline.runtime.service import Service
+from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group
 from pipeline.transport import Delivery
 
@@ -87,8 +90,10 @@ class LearnerService(Service):
             lag = [staleness(g, self.version) for g in groups]
             start = time.perf_counter()
             metrics = batch_stats(groups)
+            wall = time.time()
             if self.trainer is not None:
                 metrics.update(await self.trainer.train(groups, self.step))
+            self.span("train", wall, time.time(), step=self.step)
             metrics["step_seconds"] = time.perf_counter() - start
             metrics["tokens_per_s"] = metrics["tokens"] / max(metrics["step_seconds"], 1e-9)
             metrics["staleness_max"] = float(max(lag, default=0))
@@ -96,7 +101,9 @@ class LearnerService(Service):
             self.step += 1
             self.version += 1
             if self.trainer is not None:
+                wall = time.time()
                 metrics.update(await self.trainer.publish(self.version))
+                self.span("weight_sync", wall, time.time(), version=self.version)
             self.ctx.control.policy_version = self.version
             await self.ctx.control.send(
                 StepDone(
@@ -110,6 +117,29 @@ class LearnerService(Service):
             await self.report(self.step - 1, metrics)
             for delivery, _ in [*fresh, *stale]:
                 delivery.ack()
+
+    async def replay(self, messages: list[codec.Message], run_dir: Path) -> list[Output]:
+        """Re-run the recorded run's learner exactly: the same groups at the same steps.
+
+        The controller's schedule (`schedule.jsonl`: which uid was trained at which step)
+        says how the asynchronous run batched what arrived; stale groups it dropped are
+        not in it, so they are skipped here too.
+        """
+        by_uid = {m.body.uid: m for m in messages}
+        steps: dict[int, list[str]] = {}
+        for line in (run_dir / "schedule.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            prompt_uid = record["uid"].rsplit("/", 1)[0]
+            members = steps.setdefault(record["step"], [])
+            if prompt_uid not in members:
+                members.append(prompt_uid)
+        for step in sorted(steps):
+            groups = [read_group(by_uid[uid]) for uid in steps[step]]
+            metrics = batch_stats(groups)
+            if self.trainer is not None:
+                metrics.update(await self.trainer.train(groups, step))
+            await self.report(step, metrics)
+        return []
 
     async def teardown(self) -> None:
         if self.trainer is not None:

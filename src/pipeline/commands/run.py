@@ -37,7 +37,12 @@ def run_command(args: argparse.Namespace, rest: list[str]) -> int:
         summary = json.loads(summary_path.read_text())
         print(json.dumps(summary, indent=2))
     print(f"run directory: {run_dir}")
-    report = run_dir / "report"
-    if report.exists():
-        print(f"report: {report}")
+    if (run_dir / "metrics" / "steps.jsonl").exists():
+        from pipeline.commands.report import make_report
+
+        report = make_report(run_dir)
+        first, last = report["reward_first10"], report["reward_last10"]
+        if first is not None:
+            print(f"mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+        print(f"report: {run_dir / 'report'} (plots, trace.json for Perfetto)")
     return code

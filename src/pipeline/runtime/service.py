@@ -90,6 +90,19 @@ class Service:
             outputs.extend(await self.handle(message))
         return outputs
 
+    def span(self, name: str, start: float, end: float, **fields: Any) -> None:
+        """A timeline interval (wall-clock seconds) for the run's Perfetto trace."""
+        self.metrics.write(
+            {
+                "kind": "span",
+                "name": name,
+                "start": start,
+                "end": end,
+                "replica": self.ctx.replica,
+                **fields,
+            }
+        )
+
     async def report(self, step: int, values: dict[str, float]) -> None:
         self.metrics.write({"step": step, **values})
         if self.ctx.control is not None:
@@ -99,7 +112,9 @@ class Service:
 
     async def process(self, delivery: Delivery) -> None:
         """Handle one input and hand its outputs on; the input is acked once they are."""
+        start = time.time()
         outputs = await self.handle(delivery.message)
+        self.span(self.role, start, time.time(), uid=delivery.uid)
         acks = []
         for body, tensors in outputs:
             assert self.ctx.output is not None, f"{self.role} has no output queue"

@@ -27,7 +27,7 @@ def tiny_config(vocab_size: int, *, hidden: int = 64, layers: int = 2) -> ModelC
         head_dim=hidden // 4,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
-        max_position_embeddings=256,
+        max_position_embeddings=2048,
         tie_word_embeddings=True,
         attention_bias=True,
     )

@@ -50,12 +50,10 @@ def warm_start(
     tokenizer = load_tokenizer(directory)
     model = load_model(directory, dtype=torch.float32)
     model.train()
-    generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     eos = tokenizer.eos_token_id
-    del generator
     for _ in range(steps):
         rows = []
         for _ in range(batch_size):
@@ -63,7 +61,7 @@ def warm_start(
             digits = "".join(rng.choice(alphabet) for _ in range(length))
             prompt, completion = warm_prompt(task, digits)
             prompt_ids = tokenizer.encode(prompt)
-            answer_ids = tokenizer.encode(completion, add_special_tokens=False) + [eos]
+            answer_ids = [*tokenizer.encode(completion, add_special_tokens=False), eos]
             rows.append((prompt_ids, answer_ids))
         width = max(len(p) + len(c) for p, c in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PipelineConfig, config_to_json, write_resolved
+from pipeline.errors import ConfigError
 from pipeline.log import bind_process, configure_logging, get_logger
 from pipeline.messages import (
     ConfigMsg,
@@ -95,7 +96,20 @@ class Controller:
         write_resolved(self.config, self.run_dir)
         task = prepare_task(self.config, self.run_dir)
         self._tokenizer = task.tokenizer
-        self._cursor = PromptCursor(task.records, seed=self.config.run.seed)
+        limit = self.config.task.max_prompt_tokens
+        records = [r for r in task.records if len(task.tokenizer.encode(r.prompt_text)) <= limit]
+        if len(records) < len(task.records):
+            self.log.warning(
+                "overlong_prompts_skipped",
+                skipped=len(task.records) - len(records),
+                limit=limit,
+                hint="raise task.max_prompt_tokens to keep them",
+            )
+        if not records:
+            raise ConfigError(
+                f"every prompt is longer than task.max_prompt_tokens = {limit}; raise it"
+            )
+        self._cursor = PromptCursor(records, seed=self.config.run.seed)
         (self.run_dir / "run.json").write_text(
             json.dumps({"run_id": self.run_id, "started": self.started, "pid": os.getpid()})
         )

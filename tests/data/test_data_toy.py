@@ -50,3 +50,27 @@ def test_registered_under_its_data_source():
     assert auto_reward(DATA_SOURCE, "32", "321", None) == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="min_digits"):
         make_toy_dataset(3, min_digits=4, max_digits=3)
+
+
+def test_alphabet_restricts_the_digits():
+    records = make_toy_dataset(100, seed=1, alphabet="01")
+    assert {c for r in records for c in r.extra_info["digits"]} == {"0", "1"}
+    with pytest.raises(ValueError, match="alphabet"):
+        make_toy_dataset(3, alphabet="ab")
+
+
+def test_warm_start_trains_in_place_on_copying(tmp_path):
+    from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
+    from pipeline.models import load_model
+    from pipeline.tiny_model import make_tiny_model
+    from pipeline.warm_start import warm_prompt, warm_start
+
+    assert warm_prompt("copy", "3917") == ("copy 3917 =", "3917")
+    with pytest.raises(ValueError, match="warm-start task"):
+        warm_prompt("reverse", "3917")
+    directory = save_char_tokenizer(tmp_path / "model")
+    make_tiny_model(directory, vocab_size=len(load_tokenizer(directory)), hidden=32)
+    before = {k: v.clone() for k, v in load_model(directory).state_dict().items()}
+    warm_start(directory, steps=2, batch_size=4)
+    after = load_model(directory).state_dict()
+    assert any(not (before[k] == after[k]).all() for k in before)

@@ -11,8 +11,10 @@ arguments ints and strings only), over ipc:// (unix sockets) for every system:
   bound     an AF_UNIX stream socket: sendall() of the same bytes (small messages 256 KiB
             at a time), recv_into() a reused buffer
 Each run warms up, then the consumer times a window; runs of the three systems are
-interleaved and repeated, and the medians are reported. Prints a table, then one JSON object
-per figure (`pipeline.bench.common`); `ratio` is ours / baseline.
+interleaved and repeated, and the medians are reported. Prints a table, the CPU time per
+message of each process (steadier than msgs/s on a shared machine), then one JSON object
+per figure (`pipeline.bench.common`); `ratio` is ours / baseline. `--profile DIR` runs every
+process under cProfile to see where the time goes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -61,12 +64,14 @@ def min_msgs(size: int, a: argparse.Namespace) -> int:
 
 
 def credit_window(size: int) -> int:
-    """Prefetch (and baseline HWM): about 32 MiB in flight, never fewer than 4 items.
+    """Prefetch, max_pending and baseline HWM: ~32 MiB in flight, between 4 and 64 items.
 
     One credit per item would make every item wait a round trip; a window this deep keeps
-    the pipe full while bounding the consumer's buffered bytes.
+    the pipe full while bounding the consumer's buffered bytes. Deeper windows do not help
+    small items: the producer's per-ack work grows with its pending queue (`_on_ack` scans
+    it), so max_pending stays equal to prefetch.
     """
-    return max(4, min(256, (32 * MIB) // size))
+    return max(4, min(64, (32 * MIB) // size))
 
 
 # ----------------------------------------------------------------------------- consumers
@@ -82,6 +87,7 @@ class Window:
         self.min_msgs = min_msgs
         self.first: float | None = None
         self.t0: float | None = None
+        self.cpu0 = 0.0
         self.bytes = 0
 
     def add(self, nbytes: int) -> bool:
@@ -92,6 +98,7 @@ class Window:
         if self.t0 is None:
             if now - self.first >= self.warmup:
                 self.t0 = now  # this arrival opens the window; bytes after it count
+                self.cpu0 = time.process_time()
             return False
         self.bytes += nbytes
         return now - self.t0 >= self.seconds and self.bytes >= self.min_msgs * self.size
@@ -99,8 +106,33 @@ class Window:
     def report(self) -> None:
         assert self.t0 is not None
         elapsed = time.perf_counter() - self.t0
-        result = {"msgs": self.bytes / self.size, "bytes": self.bytes, "seconds": elapsed}
-        print(json.dumps(result), flush=True)
+        cpu = time.process_time() - self.cpu0  # every thread of the process, ZeroMQ's too
+        msgs = self.bytes / self.size
+        print(json.dumps({"msgs": msgs, "seconds": elapsed, "cpu_s": cpu}), flush=True)
+
+
+class Meter:
+    """A producer's messages and CPU time since its first send, reported when it is stopped.
+
+    CPU per message barely moves when other work shares the cores, unlike msgs/s, so it
+    shows where the layer's cost lies even on a busy machine.
+    """
+
+    def __init__(self) -> None:
+        self.msgs = 0.0
+        self.cpu0: float | None = None
+
+    def tick(self, msgs: float = 1.0) -> None:
+        if self.cpu0 is None:
+            self.cpu0 = time.process_time()
+        self.msgs += msgs
+
+    def report(self) -> None:
+        cpu = time.process_time() - self.cpu0 if self.cpu0 is not None else 0.0
+        print(json.dumps({"msgs": self.msgs, "cpu_s": cpu}), flush=True)
+
+
+METER = Meter()
 
 
 def ours_consumer(a: argparse.Namespace) -> None:
@@ -191,6 +223,7 @@ def ours_producer(a: argparse.Namespace) -> None:
             pack = TensorPack()
             body = Prompt(uid=str(i), prompt_ids=pack.add(data), n_samples=1)
             await server.send(body, pack)  # the ack future resolves as the consumer acks
+            METER.tick()
             i += 1
 
     run_async(main())
@@ -207,6 +240,7 @@ def zmq_producer(a: argparse.Namespace) -> None:
     data = payload(a.size)
     while True:
         sock.send(data, copy=False)
+        METER.tick()
 
 
 def socket_producer(a: argparse.Namespace) -> None:
@@ -219,10 +253,12 @@ def socket_producer(a: argparse.Namespace) -> None:
     conn, _ = server.accept()
     # small messages go out many per call, as ZeroMQ batches them: the bound is the wire's
     # byte rate, not Python's cost per syscall
-    data = memoryview(payload(a.size).tobytes() * max(1, BATCH_BYTES // a.size))
+    per_call = max(1, BATCH_BYTES // a.size)
+    data = memoryview(payload(a.size).tobytes() * per_call)
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         while True:
             conn.sendall(data)
+            METER.tick(per_call)
 
 
 def config(a: argparse.Namespace) -> Any:
@@ -246,7 +282,7 @@ ROLES = {
 
 def _role_args(role: str, endpoint: str, size: int, a: argparse.Namespace) -> list[str]:
     window = credit_window(size) if a.prefetch is None else a.prefetch
-    pending = a.max_pending or 2 * window
+    pending = a.max_pending or window
     return [
         sys.executable,
         "-m",
@@ -281,8 +317,9 @@ def run_pair(system: str, size: int, tmp: Path, a: argparse.Namespace) -> dict[s
     producer = subprocess.Popen(
         _role_args(f"{system}-producer", endpoint, size, a),
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     consumer = subprocess.Popen(
         _role_args(f"{system}-consumer", endpoint, size, a),
@@ -295,7 +332,13 @@ def run_pair(system: str, size: int, tmp: Path, a: argparse.Namespace) -> dict[s
         out, err = consumer.communicate(timeout=a.timeout)
         if consumer.returncode != 0:
             raise SystemExit(f"{system} consumer ({label(size)}) failed:\n{err[-3000:]}")
-        return json.loads(out.strip().splitlines()[-1])
+        result = json.loads(out.strip().splitlines()[-1])
+        if producer.poll() is None:
+            producer.send_signal(signal.SIGTERM)
+        sent = _last_json(producer.communicate(timeout=30)[0])
+        result["producer_cpu_s"] = sent.get("cpu_s", 0.0)
+        result["producer_msgs"] = sent.get("msgs", 0.0)
+        return result
     except subprocess.TimeoutExpired:
         raise SystemExit(
             f"{system} {label(size)} produced no result within {a.timeout}s "
@@ -310,8 +353,14 @@ def run_pair(system: str, size: int, tmp: Path, a: argparse.Namespace) -> dict[s
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=5)
-            if proc.stderr is not None:
-                proc.stderr.close()
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    lines = [line for line in text.strip().splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
 
 
 def measure(a: argparse.Namespace) -> dict[tuple[str, int], list[dict[str, float]]]:
@@ -324,6 +373,12 @@ def measure(a: argparse.Namespace) -> dict[tuple[str, int], list[dict[str, float
     return runs
 
 
+def _median_us(runs: list[dict[str, float]], cpu_key: str, msgs_key: str) -> float:
+    """Median CPU microseconds per message (all threads of one process) over the repeats."""
+    per = [r[cpu_key] / r[msgs_key] * 1e6 for r in runs if r.get(msgs_key)]
+    return round(statistics.median(per), 2) if per else 0.0
+
+
 def figures(
     runs: dict[tuple[str, int], list[dict[str, float]]], a: argparse.Namespace
 ) -> list[dict]:
@@ -334,6 +389,13 @@ def figures(
     for size in a.sizes:
         rates = {s: [r["msgs"] / r["seconds"] for r in runs[(s, size)]] for s in SYSTEMS}
         med = {s: statistics.median(v) for s, v in rates.items()}
+        cpu = {
+            s: {
+                "producer": _median_us(runs[(s, size)], "producer_cpu_s", "producer_msgs"),
+                "consumer": _median_us(runs[(s, size)], "cpu_s", "msgs"),
+            }
+            for s in SYSTEMS
+        }
         window = credit_window(size) if a.prefetch is None else a.prefetch
         config = {
             "payload_bytes": size,
@@ -342,8 +404,9 @@ def figures(
             "repeats": a.repeats,
             "min_msgs": min_msgs(size, a),
             "msgs_per_s_runs": {s: [round(v, 1) for v in rates[s]] for s in SYSTEMS},
+            "cpu_us_per_msg": cpu,
             "prefetch": window,
-            "max_pending": a.max_pending or 2 * window,
+            "max_pending": a.max_pending or window,
             "acks": True,
             "message": "Prompt with one uint8 tensor frame",
             "transport": "ipc",
@@ -384,23 +447,33 @@ def figures(
 
 
 def run_role(a: argparse.Namespace) -> None:
-    """One side of one run; with --profile, under cProfile until the orchestrator stops it."""
-    if a.profile is None:
-        ROLES[a.role](a)
-        return
-    import cProfile
-    import signal
+    """One side of one run; with --profile, under cProfile until the orchestrator stops it.
+
+    Producers run until SIGTERM, then print their `Meter` (and dump the profile).
+    """
+    producer = a.role.endswith("-producer")
 
     def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(0)
+        METER.report()
+        if a.profile is not None:
+            raise SystemExit(0)  # unwinds into the profiler, which writes its file
+        os._exit(0)
 
-    signal.signal(signal.SIGTERM, stop)
-    a.profile.mkdir(parents=True, exist_ok=True)
-    prof = cProfile.Profile()
-    try:
-        prof.runcall(ROLES[a.role], a)
-    finally:
-        prof.dump_stats(a.profile / f"{a.role}-{label(a.size)}.prof")
+    if producer:
+        signal.signal(signal.SIGTERM, stop)
+    if a.profile is None:
+        ROLES[a.role](a)
+    else:
+        import cProfile
+
+        a.profile.mkdir(parents=True, exist_ok=True)
+        prof = cProfile.Profile()
+        try:
+            prof.runcall(ROLES[a.role], a)
+        finally:
+            prof.dump_stats(a.profile / f"{a.role}-{label(a.size)}.prof")
+    if producer:  # the consumer hung up first (raw socket)
+        METER.report()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -413,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="1KiB,1MiB,64MiB", help="comma-separated payload sizes")
     ap.add_argument("--prefetch", type=int, default=None, help="default: ~32 MiB in flight")
-    ap.add_argument("--max-pending", type=int, default=None, help="default: 2 x prefetch")
+    ap.add_argument("--max-pending", type=int, default=None, help="default: = prefetch")
     ap.add_argument("--min-msgs", type=int, default=None, help="per window; default by size")
     ap.add_argument("--timeout", type=float, default=120.0, help="per run, seconds")
     # internal: one side of one run
@@ -436,7 +509,21 @@ def main(argv: list[str] | None = None) -> None:
         f"{a.repeats} repeats x {a.seconds}s (medians)  took {time.monotonic() - started:.0f}s"
     )
     print(table(figs))
+    print(cpu_table(figs))
     emit(figs, a.json)
+
+
+def cpu_table(figs: list[dict]) -> str:
+    """CPU per message of each process (all its threads): robust where msgs/s is noisy."""
+    lines = [f"{'cpu us/msg (producer / consumer)':<34}" + "".join(f"{s:>20}" for s in SYSTEMS)]
+    for f in figs:
+        if f["figure"].startswith("msgs_per_s_"):
+            cpu = f["config"]["cpu_us_per_msg"]
+            cells = "".join(
+                f"{cpu[s]['producer']:>10.1f} /{cpu[s]['consumer']:>8.1f}" for s in SYSTEMS
+            )
+            lines.append(f"{f['figure'].removeprefix('msgs_per_s_'):<34}{cells}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from pipeline.errors import WeightSyncError
-from pipeline.messages import MsgType, WeightDone
+from pipeline.messages import Hello, WeightDone
 from pipeline.weights.hub import WeightHub
 from pipeline.weights.plan import dtype_name, parse_dtype
 from pipeline.weights.wire import BucketFree, BucketReady, IpcHandle, Received
@@ -129,32 +129,36 @@ class IpcSender:
         self.freed.setdefault(bucket, set())
         return _IpcWork(self, bucket)
 
-    def _on_reply(self, name: str | None, rcv: Received) -> None:
+    def _on_reply(self, name: str | None, rcv: Received) -> bool:
+        """Record a slot release; False for anything else (kept for the done round)."""
         ctl = rcv.control
-        if name is None:
-            return
-        if isinstance(ctl, BucketFree) and ctl.version == self.version:
+        if name is not None and isinstance(ctl, BucketFree) and ctl.version == self.version:
             self.freed.setdefault(ctl.bucket, set()).add(name)
-            return
+            return True
         body = rcv.message.body
-        if isinstance(body, WeightDone) and not body.ok:
+        if name in self.members and isinstance(body, WeightDone) and not body.ok:
             raise WeightSyncError("buckets", name, body.error)
-        if name in self.members and rcv.control is None and body.TYPE == MsgType.HELLO:
+        if name in self.members and isinstance(body, Hello):
             raise WeightSyncError("buckets", name, "engine restarted during the update")
+        return False
 
     def wait_free(self, bucket: int) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            missing = [m for m in self.members if m not in self.freed.get(bucket, set())]
-            if not missing:
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WeightSyncError(
-                    "buckets",
-                    ", ".join(missing),
-                    f"did not release bucket {bucket} within {self.timeout_s:.1f}s",
-                )
-            got = self.hub.next_reply(left)
-            if got is not None:
-                self._on_reply(*got)
+        kept: list[tuple[str | None, Received]] = []
+        try:
+            while True:
+                missing = [m for m in self.members if m not in self.freed.get(bucket, set())]
+                if not missing:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightSyncError(
+                        "buckets",
+                        ", ".join(missing),
+                        f"did not release bucket {bucket} within {self.timeout_s:.1f}s",
+                    )
+                got = self.hub.next_reply(left)
+                if got is not None and not self._on_reply(*got):
+                    kept.append(got)
+        finally:
+            self.hub.unread(kept)

@@ -10,6 +10,7 @@ weight group under a new generation.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class WeightHub:
         self.members: dict[str, Member] = {}
         self.changed = False  # membership differs from the current weight group
         self.generation = 0
+        self._unread: deque[tuple[str | None, Received]] = deque()
 
     # ------------------------------------------------------------------ registry
 
@@ -85,6 +87,7 @@ class WeightHub:
 
     def poll(self, timeout_s: float = 0.0) -> None:
         """Take registrations; discard stale replies of earlier syncs."""
+        self._unread.clear()
         deadline = time.monotonic() + timeout_s
         while True:
             rcv = self.link.recv(max(0.0, deadline - time.monotonic()))
@@ -109,12 +112,19 @@ class WeightHub:
     def next_reply(self, timeout_s: float) -> tuple[str | None, Received] | None:
         """The next message with the member it came from. A Hello registers (its name is
         returned only when it replaced a live incarnation: that member restarted)."""
+        if self._unread:
+            return self._unread.popleft()
         rcv = self.link.recv(max(0.0, timeout_s))
         if rcv is None:
             return None
         if isinstance(rcv.message.body, Hello):
             return self._register(rcv), rcv
         return self._name_of(rcv.identity), rcv
+
+    def unread(self, replies: list[tuple[str | None, Received]]) -> None:
+        """Put replies back, in order, for the next reader (e.g. a WeightDone that arrived
+        while the CUDA IPC sender was waiting for its slots to be freed)."""
+        self._unread.extendleft(reversed(replies))
 
     def collect(self, names: Iterable[str], timeout_s: float, on_reply: OnReply) -> set[str]:
         """Wait until each named member answered (per `on_reply`) or the deadline; returns

@@ -1,0 +1,369 @@
+"""Learner-step bench: tokens/s and MFU of one PPO update of `PolicyTrainer`.
+
+    python -m pipeline.bench.learner_step [--shape 0.5b|tiny|7b] [--device cuda|cpu]
+        [--batch 16] [--seq 512] [--prompt 128] [--steps 5] [--warmup 2] [--json OUT]
+
+A random-weight model of the shape is saved once with `save_model`; `PolicyTrainer` loads it
+as the trainer always does (fp32 master weights, bf16 autocast on CUDA, packed micro-batches,
+chunked log-probs, grad clipping, AdamW) with no reference model and no KL loss, and runs
+`train_step` on a fixed synthetic batch of `--batch` samples of `--prompt` prompt +
+`--seq - --prompt` response tokens. One step is the whole update: the no-grad proximal
+log-prob forward, then forward + backward + optimizer step over every token. Each step is
+timed with the device drained before and after, after `--warmup` untimed steps; the median of
+`--steps` is reported. tokens = batch * seq per step (every token goes through backward).
+In the same run:
+  baselines  a `transformers` training step on the same tokens from the same directory: bf16
+             parameters, fused AdamW (CUDA), cross-entropy over all tokens; eager and under
+             `torch.compile` (CUDA only; warmed up like ours)
+  bound      the bf16 8192^3 matmul rate measured here (fp32 1024^3 on CPU), as
+             tokens/s = rate / (6 * params)
+MFU = 6 * params * tokens / seconds / peak (989e12 bf16 dense on an H200; on CPU the measured
+matmul rate): the proximal forward and attention FLOPs are not counted, as usual.
+Prints a table, then one JSON object per figure (see BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.bench.common import emit, figure, table
+from pipeline.bench.rollout_decode import (
+    SHAPES,
+    bench_dtype,
+    device_label,
+    free_memory,
+    matmul_rate,
+    save_random_model,
+    timed,
+)
+
+BENCH = "learner_step"
+H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s of one H200 (SXM), without sparsity
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "cuda": {"shape": "0.5b", "batch": 16, "seq": 512},
+    "cpu": {"shape": "tiny", "batch": 2, "seq": 64},
+}
+
+
+def synthetic_batch(
+    batch: int, seq: int, prompt: int, vocab: int, seed: int
+) -> tuple[Any, torch.Tensor]:
+    """(ExperienceBatch for the trainer, the same tokens as a (batch, seq) id tensor)."""
+    from pipeline.training import ExperienceBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, seq), generator=gen)  # (batch, seq)
+    response = seq - prompt
+    behaviour = -math.log(vocab) + 0.1 * torch.randn(batch, response, generator=gen)
+    advantages = torch.randn(batch, response, generator=gen)
+    experience = ExperienceBatch.from_lists(
+        prompt_ids=list(ids[:, :prompt]),
+        response_ids=list(ids[:, prompt:]),
+        behaviour_logprobs=list(behaviour),
+        scores=torch.zeros(batch),
+        uids=[f"p{i // 4}/{i % 4}" for i in range(batch)],
+        advantages=list(advantages),
+    )
+    return experience, ids
+
+
+def trainer_config(args: argparse.Namespace, peak: float, *, kl: bool) -> Any:
+    from pipeline.training import TrainerConfig
+
+    fields: dict[str, Any] = {
+        "lr": 1e-6,
+        "device": args.device,
+        "param_dtype": "bfloat16" if args.device == "cuda" else "float32",
+        "keep_reference": kl,
+        "peak_flops": peak,
+        "compile": args.trainer_compile,
+        "padding_free": not args.padded,
+    }
+    if args.micro_tokens:
+        fields["max_tokens_per_micro_batch"] = args.micro_tokens
+    if args.chunk_tokens:
+        fields["logprob_chunk_tokens"] = args.chunk_tokens
+    return TrainerConfig(**fields)
+
+
+def run_ours(
+    model_dir: Path,
+    experience: Any,
+    args: argparse.Namespace,
+    device: torch.device,
+    peak: float,
+    *,
+    kl: bool,
+) -> tuple[list[float], dict[str, Any]]:
+    from pipeline.algorithms import AlgorithmConfig
+    from pipeline.training import PolicyTrainer
+
+    config = trainer_config(args, peak, kl=kl)
+    algorithm = AlgorithmConfig(advantage_estimator="grpo", use_kl_loss=kl)
+    trainer = PolicyTrainer(model_dir, config, algorithm)
+    metrics: dict[str, float] = {}
+
+    def step() -> dict[str, float]:
+        return trainer.train_step(experience)
+
+    for _ in range(args.warmup):
+        metrics = step()
+    runs = []
+    for _ in range(args.steps):
+        seconds, metrics = timed(step, device)
+        runs.append(seconds)
+    if metrics.get("actor/skipped_updates", 0.0) > 0:
+        raise RuntimeError(f"the trainer skipped its update (non-finite loss): {metrics}")
+    # the no-grad proximal forward alone: how much of a step is not forward + backward + step
+    prox = [timed(lambda: trainer.compute_logprobs(experience), device)[0] for _ in range(3)]
+    info = {
+        "params": trainer.engine.num_params,
+        "trainer": {
+            "param_dtype": config.param_dtype,
+            "max_tokens_per_micro_batch": config.max_tokens_per_micro_batch,
+            "padding_free": config.padding_free,
+            "logprob_chunk_tokens": config.logprob_chunk_tokens,
+            "grad_clip": config.grad_clip,
+            "compile": config.compile,
+            "keep_reference": kl,
+            "use_kl_loss": kl,
+        },
+        "trainer_reported_step_s": round(metrics.get("perf/step_time_s", float("nan")), 5),
+        "prox_logprobs_s": round(statistics.median(prox), 5),
+    }
+    return runs, info
+
+
+def run_hf(
+    model_dir: Path, ids: torch.Tensor, args: argparse.Namespace, device: torch.device
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Seconds per transformers training step, eager and (CUDA) compiled."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=bench_dtype(device)).to(device)
+    model.train()
+    cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda, foreach=not cuda)
+    tokens = ids.to(device)
+    compiled = cuda and not args.no_compile
+    systems: dict[str, Any] = {"eager": model}
+    if compiled:
+        systems["compiled"] = torch.compile(model)
+    out: dict[str, list[float]] = {}
+    for name, module in systems.items():
+
+        def step(module: Any = module) -> torch.Tensor:
+            loss = module(input_ids=tokens, labels=tokens, use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        warmup = max(args.warmup, 2) if name == "compiled" else args.warmup
+        for _ in range(warmup):
+            step()
+        runs = []
+        for _ in range(args.steps):
+            seconds, loss = timed(step, device)
+            runs.append(seconds)
+        if not torch.isfinite(loss).item():
+            raise RuntimeError(f"transformers {name} step produced a non-finite loss")
+        out[name] = runs
+    info = {
+        "transformers": transformers.__version__,
+        "hf_dtype": str(bench_dtype(device)).removeprefix("torch."),
+        "hf_optimizer": "AdamW fused" if cuda else "AdamW foreach",
+        "hf_loss": "model(input_ids, labels=input_ids).loss (shifted CE over all tokens)",
+        "hf_compile": "torch.compile(model), default mode" if compiled else "none",
+        "hf_compiled": compiled,
+    }
+    return out, info
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no CUDA device")
+    label = device_label(device)
+    cuda = device.type == "cuda"
+    mm_dtype, mm_n = (torch.bfloat16, 8192) if cuda else (torch.float32, 1024)
+    rate = matmul_rate(device, mm_dtype, mm_n)
+    if args.peak_flops:
+        peak, peak_source = args.peak_flops, "--peak-flops"
+    elif cuda:
+        peak, peak_source = H200_BF16_PEAK, "H200 dense bf16 spec, 989e12"
+    else:
+        peak, peak_source = rate, "measured fp32 matmul rate (CPU has no spec peak here)"
+    with tempfile.TemporaryDirectory(prefix="learner-step-") as tmp:
+        model_dir = Path(tmp)
+        config = save_random_model(args.shape, model_dir, dtype=bench_dtype(device), device=device)
+        experience, ids = synthetic_batch(
+            args.batch, args.seq, args.prompt, config.vocab_size, args.seed
+        )
+        ours, ours_info = run_ours(model_dir, experience, args, device, peak, kl=False)
+        free_memory(device)
+        ours_kl: list[float] | None = None
+        if args.kl:
+            ours_kl, _ = run_ours(model_dir, experience, args, device, peak, kl=True)
+            free_memory(device)
+        hf, hf_info = run_hf(model_dir, ids, args, device)
+        free_memory(device)
+    tokens = args.batch * args.seq
+    n_params = ours_info["params"]
+    flops_per_token = 6 * n_params
+
+    def tps(runs: list[float]) -> float:
+        return tokens / statistics.median(runs)
+
+    def mfu(runs: list[float]) -> float:
+        return flops_per_token * tps(runs) / peak
+
+    base_name, base_runs = (
+        ("hf_train_step_compiled", hf["compiled"])
+        if hf_info["hf_compiled"]
+        else ("hf_train_step_eager", hf["eager"])
+    )
+    cfg: dict[str, Any] = {
+        "shape": args.shape,
+        "params": n_params,
+        "batch": args.batch,
+        "seq": args.seq,
+        "prompt": args.prompt,
+        "response": args.seq - args.prompt,
+        "tokens_per_step": tokens,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "timing": "median wall seconds of one train_step / training step, device drained",
+        "seconds": {
+            "ours": [round(s, 5) for s in ours],
+            **({"ours_kl": [round(s, 5) for s in ours_kl]} if ours_kl else {}),
+            **{f"hf_{k}": [round(s, 5) for s in v] for k, v in hf.items()},
+        },
+        "tokens_per_s": {
+            "ours": round(tps(ours), 1),
+            **({"ours_kl": round(tps(ours_kl), 1)} if ours_kl else {}),
+            **{f"hf_{k}": round(tps(v), 1) for k, v in hf.items()},
+        },
+        "mfu": {
+            "ours": round(mfu(ours), 4),
+            **{f"hf_{k}": round(mfu(v), 4) for k, v in hf.items()},
+        },
+        "mfu_formula": "6 * params * batch * seq / seconds / peak_flops",
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "matmul_flops_per_s": round(rate),
+        "matmul": f"{mm_n}^3 {str(mm_dtype).removeprefix('torch.')}, 2*n^3 FLOPs each",
+        "bound_formula": "tokens_per_s: matmul_flops_per_s / (6 * params); mfu: matmul / peak",
+        "algorithm": "grpo advantages given, ppo clip 0.2, no KL loss, entropy not trained",
+        "torch": torch.__version__,
+        **{k: v for k, v in ours_info.items() if k != "params"},
+        **hf_info,
+    }
+    bound_tps = rate / flops_per_token
+    figures = [
+        figure(
+            BENCH,
+            "tokens_per_s",
+            tps(ours),
+            baseline=base_name,
+            baseline_value=tps(base_runs),
+            bound=bound_tps,
+            config=cfg,
+            device=label,
+        ),
+        figure(
+            BENCH,
+            "tokens_per_s_vs_eager",
+            tps(ours),
+            baseline="hf_train_step_eager",
+            baseline_value=tps(hf["eager"]),
+            bound=bound_tps,
+            config=cfg,
+            device=label,
+        ),
+        figure(
+            BENCH,
+            "mfu",
+            mfu(ours),
+            baseline=base_name,
+            baseline_value=mfu(base_runs),
+            bound=rate / peak,
+            config=cfg,
+            device=label,
+        ),
+    ]
+    if ours_kl:
+        figures.append(
+            figure(
+                BENCH,
+                "tokens_per_s_kl",
+                tps(ours_kl),
+                baseline=base_name,
+                baseline_value=tps(base_runs),
+                bound=bound_tps,
+                config={**cfg, "variant": "reference model kept, k3 KL loss"},
+                device=label,
+            )
+        )
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=f"python -m pipeline.bench.{BENCH}")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default seq/4)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled HF baseline")
+    ap.add_argument("--kl", action="store_true", help="also time the KL-loss variant")
+    ap.add_argument("--trainer-compile", action="store_true", help="trainer.compile=true")
+    ap.add_argument("--padded", action="store_true", help="trainer.padding_free=false")
+    ap.add_argument("--micro-tokens", type=int, default=None, help="max_tokens_per_micro_batch")
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="logprob_chunk_tokens")
+    args = ap.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.prompt is None:
+        args.prompt = args.seq // 4
+    if not 1 <= args.prompt < args.seq or args.batch < 1 or args.steps < 1 or args.warmup < 0:
+        raise SystemExit("need 1 <= --prompt < --seq, --batch >= 1, --steps >= 1, --warmup >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("PIPELINE_LOG_LEVEL", "warning")
+    figs = run(args)
+    c = figs[0]["config"]
+    print(
+        f"{BENCH}  shape={args.shape} device={figs[0]['device']} batch={args.batch} "
+        f"seq={args.seq} (prompt {args.prompt}) params={c['params'] / 1e6:.1f}M "
+        f"matmul={c['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s peak={c['peak_flops'] / 1e12:.2f}"
+    )
+    print("  tokens/s " + "  ".join(f"{k} {v:.1f}" for k, v in c["tokens_per_s"].items()))
+    print("  mfu      " + "  ".join(f"{k} {v:.4f}" for k, v in c["mfu"].items()))
+    print(table(figs))
+    emit(figs, args.json)
+
+
+if __name__ == "__main__":
+    main()

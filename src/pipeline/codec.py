@@ -7,6 +7,7 @@ counts it and keeps serving.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -97,9 +98,12 @@ def encode(
 
 
 def _frame_len(frame: Any) -> int:
+    """Bytes in a frame: zmq.Frame, bytes, or any buffer (numpy arrays count bytes, not rows)."""
     if hasattr(frame, "buffer"):  # zmq.Frame
-        return len(frame.buffer)
-    return len(frame)
+        return frame.buffer.nbytes
+    if isinstance(frame, bytes | bytearray):
+        return len(frame)
+    return memoryview(frame).nbytes
 
 
 def _frame_bytes(frame: Any) -> Any:
@@ -125,10 +129,10 @@ def _check_tensor(ref: TensorRef, frames: Sequence[Any], limits: Limits) -> None
         raise SchemaMismatch("bad_tensor_ref", f"frame {ref.frame} of {len(frames)}")
     if ref.dtype not in ALLOWED_DTYPES and ref.dtype != BF16:
         raise SchemaMismatch("bad_dtype", f"dtype {ref.dtype!r} is not allowed")
-    if any(d < 0 for d in ref.shape):
-        raise SchemaMismatch("bad_shape", f"negative dimension in {ref.shape}")
+    if any(d < 0 or d > limits.max_tensor_bytes for d in ref.shape):
+        raise SchemaMismatch("bad_shape", f"dimension out of range in {ref.shape}")
     itemsize = 2 if ref.dtype == BF16 else np.dtype(ref.dtype).itemsize
-    expected = int(np.prod(ref.shape, dtype=np.int64)) * itemsize
+    expected = math.prod(ref.shape) * itemsize
     got = _frame_len(frames[ref.frame])
     if expected != got:
         raise SchemaMismatch(
@@ -159,7 +163,7 @@ def decode(
             raise SchemaMismatch("oversized", f"tensor frame of {_frame_len(frame)} bytes")
     try:
         header = _header_decoder.decode(_frame_bytes(frames[0]))
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise SchemaMismatch("malformed", f"header: {exc}") from None
     if header.version != SCHEMA_VERSION:
         raise SchemaMismatch(
@@ -178,7 +182,7 @@ def decode(
         raise SchemaMismatch("wrong_run", f"run id {header.run_id!r}, expected {run_id!r}")
     try:
         body = _body_decoders[msg_type].decode(_frame_bytes(frames[1]))
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise SchemaMismatch("malformed", f"{msg_type.name} body: {exc}") from None
     for ref in _iter_refs(body):
         _check_tensor(ref, frames, limits)

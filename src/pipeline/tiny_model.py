@@ -34,11 +34,26 @@ def tiny_config(vocab_size: int, *, hidden: int = 64, layers: int = 2) -> ModelC
 
 
 def make_tiny_model(
-    directory: str | Path, *, vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2
+    directory: str | Path,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    warm_start_steps: int = 0,
 ) -> Path:
-    """Write a freshly initialised tiny model next to the tokenizer in `directory`."""
+    """Write a freshly initialised tiny model next to the tokenizer in `directory`.
+
+    `warm_start_steps` > 0 then trains it that many supervised steps on copying digits (see
+    `pipeline.warm_start`; needs the tokenizer already saved in `directory`). The default
+    toy-task recipe uses 200.
+    """
     torch.manual_seed(seed)
     model = CausalLM(tiny_config(vocab_size, hidden=hidden, layers=layers))
     model.init_weights()
     save_model(model, directory)
+    if warm_start_steps > 0:
+        from pipeline.warm_start import warm_start
+
+        warm_start(directory, steps=warm_start_steps, seed=seed)
     return Path(directory)

@@ -31,7 +31,7 @@ def warm_prompt(task: str, digits: str) -> tuple[str, str]:
 def warm_start(
     model_dir: str | Path,
     *,
-    steps: int = 150,
+    steps: int = 200,
     seed: int = 0,
     lr: float = 3e-3,
     batch_size: int = 64,

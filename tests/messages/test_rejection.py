@@ -172,11 +172,6 @@ def test_empty_run_id_is_not_checked() -> None:
     decode(good_prompt(run_id=""), allowed=PROMPTS, run_id=RUN)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="codec bug: _check_tensor multiplies dims in wrapping int64 (np.prod) and does "
-    "not bound them, so a shape no array can have is accepted and Message.tensor raises",
-)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, from the overflowing product
 @pytest.mark.parametrize("shape", [(2**32, 2**32), (2**62, 4), (0, 2**63), (2**63, 0)])
 def test_overflowing_shape_is_rejected(shape: tuple[int, ...]) -> None:
@@ -193,14 +188,6 @@ def invalid_utf8(frame: bytes, text: str) -> bytes:
     return frame.replace(packed, packed[:1] + b"\xff" * len(text), 1)
 
 
-UTF8_BUG = (
-    "codec bug: msgspec raises UnicodeDecodeError (not DecodeError) for invalid UTF-8 in a "
-    "str field and decode() does not catch it; remove this xfail and the tolerance in "
-    "test_fuzz.outcome once fixed"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=UTF8_BUG, raises=UnicodeDecodeError)
 @pytest.mark.parametrize("where", ["header", "body"])
 def test_invalid_utf8_is_malformed(where: str) -> None:
     frames = encode(Credit(queue="prompts", credits=1), run_id=RUN, sender="sender", seq=1)
@@ -306,7 +293,6 @@ async def test_producer_survives_junk_from_a_rogue_dealer(ipc_endpoint: Callable
     assert server.stats.sent == server.stats.acked == 13
 
 
-@pytest.mark.xfail(strict=True, reason=UTF8_BUG)
 async def test_producer_survives_invalid_utf8(ipc_endpoint: Callable[[str], str]):
     """Today one such message kills the producer's receive task: acks are never seen again."""
     server = QueueServer("prompts", ipc_endpoint("q"), run_id=RUN, sender="p", config=FAST)

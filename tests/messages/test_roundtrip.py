@@ -47,9 +47,9 @@ def pair() -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
 def as_bytes(frames: list[Any]) -> list[Any]:
     """Flat byte views of encoded frames, zero-copy: what a receiver holds.
 
-    `decode` measures frames with `len()`, which for a numpy frame straight out of `encode`
-    is its first dimension, not its byte size (see the xfail test below), so in-memory
-    round trips hand it byte views of the very same buffers.
+    In-memory round trips hand `decode` byte views of the very same buffers, as a
+    receiver would hold them (`test_decode_accepts_encode_output_directly` covers the
+    numpy frames themselves).
     """
     return [
         memoryview(f.reshape(-1).view(np.uint8)) if isinstance(f, np.ndarray) else f for f in frames
@@ -139,11 +139,6 @@ def test_bfloat16_words_round_trip_to_the_same_floats() -> None:
     np.testing.assert_array_equal(back, (words.astype(np.uint32) << 16).view(np.float32))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="codec bug: _frame_len() uses len() on numpy frames (first dim, not bytes), so "
-    "decode(encode(...)) of an in-memory message refuses any tensor wider than one byte",
-)
 def test_decode_accepts_encode_output_directly() -> None:
     """In-process hand-offs (tests, replay of live frames) decode what `encode` returned."""
     pack = TensorPack()

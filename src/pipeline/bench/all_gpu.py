@@ -6,8 +6,9 @@
 Order: weight_sync (0.5B, then 7B shape; short), rollout_decode (0.5B), learner_step (0.5B),
 then e2e when `pipeline.bench.e2e` exists. A bench whose module is missing is skipped with a
 note; one that fails or runs past its limit is reported and the others still run. Each bench
-gets min(BENCH_TIMEOUT_S (default 240), the time left of BENCH_TOTAL_S (default 570)) seconds,
-so the whole call fits in ten minutes. The figures of each bench go to
+gets min(BENCH_TIMEOUT_S (default 240; BENCH_TIMEOUT_S_<BENCH> for one bench, e.g.
+BENCH_TIMEOUT_S_ROLLOUT_DECODE), the time left of BENCH_TOTAL_S (default 570)) seconds, so the
+whole call fits in ten minutes. The figures of each bench go to
 `<out>/<bench>-<device>.json` (device from the figures, e.g. "NVIDIA H200" -> h200; the two
 weight_sync shapes share one file, told apart by config.shape); a summary table ends the run.
 """
@@ -89,11 +90,18 @@ def _has_flag(bench: str, flag: str) -> bool:
 
 
 def _tail(path: Path, lines: int) -> str:
+    """The log's last lines, without the JSON figure lines (the summary shows those)."""
     try:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    return "\n".join(text[-lines:])
+    return "\n".join([line for line in text if not line.startswith("{")][-lines:])
+
+
+def bench_limit(bench: str) -> float:
+    """BENCH_TIMEOUT_S_<BENCH> (e.g. BENCH_TIMEOUT_S_ROLLOUT_DECODE), else BENCH_TIMEOUT_S."""
+    default = float(os.environ.get("BENCH_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    return float(os.environ.get(f"BENCH_TIMEOUT_S_{bench.upper()}", default))
 
 
 def run_job(job: Job, device: str, limit_s: float, tmp: Path) -> Outcome:
@@ -157,10 +165,13 @@ def summary(outcomes: list[Outcome], written: dict[str, Path]) -> str:
             continue
         lines.append(head + f"-> {written.get(o.job.bench, '?')}")
         for f in o.figures:
-            lines.append(
-                f"{'':<41}{f['figure']:<28} {f['value']:>12.6g}  x{f['ratio']:.3f} vs "
-                f"{f['baseline']}  {f['fraction_of_bound']:.3f} of bound"
-            )
+            try:
+                lines.append(
+                    f"{'':<41}{f['figure']:<28} {f['value']:>12.6g}  x{f['ratio']:.3f} vs "
+                    f"{f['baseline']}  {f['fraction_of_bound']:.3f} of bound"
+                )
+            except (KeyError, TypeError, ValueError):  # a bench off the common format
+                lines.append(f"{'':<41}{json.dumps(f)[:200]}")
     return "\n".join(lines)
 
 
@@ -170,7 +181,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--only", default=None, help="comma-separated bench names to run")
     args = ap.parse_args(argv)
-    per_bench = float(os.environ.get("BENCH_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     total = float(os.environ.get("BENCH_TOTAL_S", DEFAULT_TOTAL_S))
     selected = jobs(args.device)
     if args.only:
@@ -184,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="all-gpu-") as tmp:
         for job in selected:
             left = deadline - time.monotonic()
-            outcomes.append(run_job(job, args.device, min(per_bench, left), Path(tmp)))
+            outcomes.append(run_job(job, args.device, min(bench_limit(job.bench), left), Path(tmp)))
     written = write_results(outcomes, args.out)
     print("\n" + summary(outcomes, written), flush=True)
     if any(o.status in ("failed", "timeout") for o in outcomes):

@@ -41,6 +41,7 @@ from pipeline.bench.rollout_decode import (
     device_label,
     free_memory,
     matmul_rate,
+    progress,
     save_random_model,
     timed,
 )
@@ -121,6 +122,7 @@ def run_ours(
     for _ in range(args.steps):
         seconds, metrics = timed(step, device)
         runs.append(seconds)
+    progress(f"ours (kl={kl}): {[round(x, 4) for x in runs]} s")
     if metrics.get("actor/skipped_updates", 0.0) > 0:
         raise RuntimeError(f"the trainer skipped its update (non-finite loss): {metrics}")
     # the no-grad proximal forward alone: how much of a step is not forward + backward + step
@@ -181,6 +183,7 @@ def run_hf(
         if not torch.isfinite(loss).item():
             raise RuntimeError(f"transformers {name} step produced a non-finite loss")
         out[name] = runs
+        progress(f"hf {name}: {[round(x, 4) for x in runs]} s")
     info = {
         "transformers": transformers.__version__,
         "hf_dtype": str(bench_dtype(device)).removeprefix("torch."),
@@ -200,6 +203,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     cuda = device.type == "cuda"
     mm_dtype, mm_n = (torch.bfloat16, 8192) if cuda else (torch.float32, 1024)
     rate = matmul_rate(device, mm_dtype, mm_n)
+    progress(f"matmul {mm_n}^3: {rate / 1e12:.2f} TFLOP/s")
     if args.peak_flops:
         peak, peak_source = args.peak_flops, "--peak-flops"
     elif cuda:

@@ -24,6 +24,7 @@ import argparse
 import gc
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -107,6 +108,14 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
+_START = time.monotonic()
+
+
+def progress(message: str) -> None:
+    """One line on stderr with the seconds since start: where a timed-out run spent them."""
+    print(f"[{time.monotonic() - _START:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -142,10 +151,11 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 20) -> float:
+def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     """Bytes/s of dst.copy_(src) on `device`, counting bytes read plus bytes written."""
     if nbytes is None:
         nbytes = 2**30 if device.type == "cuda" else 2**26
+    iters = 50 if device.type == "cuda" else 10
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -154,8 +164,9 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, iters: int =
     return 2.0 * nbytes * iters / seconds
 
 
-def matmul_rate(device: torch.device, dtype: torch.dtype, n: int, iters: int = 10) -> float:
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> float:
     """FLOP/s of an (n, n) @ (n, n) matmul in `dtype` (2 n^3 FLOPs each)."""
+    iters = 50 if device.type == "cuda" else 5
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
@@ -282,6 +293,7 @@ def run_ours(
             repeats=args.repeats,
             check=check,
         )
+        progress(f"ours b={b}: {[round(x, 3) for x in out[b]]} s")
         engine.close()
         del engine
         free_memory(device)
@@ -350,6 +362,7 @@ def run_hf(
                 check=check,
                 warmup_fn=short_call if name == "dynamic" else None,
             )
+            progress(f"hf {name} b={b}: {[round(x, 3) for x in systems[name][b]]} s")
         free_memory(device)
     info = {
         "transformers": transformers.__version__,
@@ -386,6 +399,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         del meta
         kv_token = kv_bytes_per_token(config, torch.empty((), dtype=dtype).element_size())
         bandwidth = copy_bandwidth(device)
+        progress(f"model saved; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
         ours, ours_info = run_ours(model_dir, batches, args, device)
         free_memory(device)
         hf, hf_info = run_hf(model_dir, batches, args, device)

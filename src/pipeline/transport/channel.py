@@ -127,3 +127,15 @@ async def cancel_and_wait(tasks: list[asyncio.Task[Any]], timeout: float = 2.0) 
         task.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
+
+
+async def guarded(step: Any, log: Any, stats: ChannelStats) -> None:
+    """Run `await step()` forever; an unexpected error is logged and counted, not fatal."""
+    while True:
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            stats.rejected["internal_error"] += 1
+            log.exception("receive_failed")

@@ -25,6 +25,7 @@ from pipeline.transport.channel import (
     ChannelStats,
     bind,
     cancel_and_wait,
+    guarded,
     make_socket,
     new_identity,
 )
@@ -126,39 +127,41 @@ class ControlServer:
         self._sock.close(linger=0)
 
     async def _recv_loop(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            identity = frames[0].bytes
-            try:
-                msg = codec.decode(frames[1:], allowed=_TO_CONTROLLER, run_id=None)
-            except SchemaMismatch as exc:
-                self.stats.rejected[exc.reason] += 1
-                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
-                continue
-            body = msg.body
-            if isinstance(body, Hello):
-                peer = self.peers[identity] = Peer(identity=identity, hello=body)
-                self.log.info("peer_hello", peer=peer.name, pid=body.pid)
-                await self.send(peer, self._config_for(body))
-                self.inbox.put_nowait(PeerEvent("joined", peer))
-                continue
-            peer = self.peers.get(identity)
-            if peer is None:
-                self.stats.rejected["no_hello"] += 1
-                self.log.error("message_before_hello", type=msg.type.name)
-                continue
-            peer.last_seen = time.monotonic()
-            if isinstance(body, Ready):
-                peer.ready = True
-                self.inbox.put_nowait(PeerEvent("ready", peer))
-            elif isinstance(body, Heartbeat):
-                peer.policy_version = body.policy_version
-                await self.send(
-                    peer, Heartbeat(service="controller", policy_version=self.policy_version)
-                )
-            else:
-                self.stats.received += 1
-                self.inbox.put_nowait((peer, body))
+        await guarded(self._recv_one, self.log, self.stats)
+
+    async def _recv_one(self) -> None:
+        frames = await self._sock.recv_multipart(copy=False)
+        identity = frames[0].bytes
+        try:
+            msg = codec.decode(frames[1:], allowed=_TO_CONTROLLER, run_id=None)
+        except SchemaMismatch as exc:
+            self.stats.rejected[exc.reason] += 1
+            self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+            return
+        body = msg.body
+        if isinstance(body, Hello):
+            peer = self.peers[identity] = Peer(identity=identity, hello=body)
+            self.log.info("peer_hello", peer=peer.name, pid=body.pid)
+            await self.send(peer, self._config_for(body))
+            self.inbox.put_nowait(PeerEvent("joined", peer))
+            return
+        peer = self.peers.get(identity)
+        if peer is None:
+            self.stats.rejected["no_hello"] += 1
+            self.log.error("message_before_hello", type=msg.type.name)
+            return
+        peer.last_seen = time.monotonic()
+        if isinstance(body, Ready):
+            peer.ready = True
+            self.inbox.put_nowait(PeerEvent("ready", peer))
+        elif isinstance(body, Heartbeat):
+            peer.policy_version = body.policy_version
+            await self.send(
+                peer, Heartbeat(service="controller", policy_version=self.policy_version)
+            )
+        else:
+            self.stats.received += 1
+            self.inbox.put_nowait((peer, body))
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -194,6 +197,7 @@ class ControlClient:
         self._sock.connect(endpoint)
         self.run_id = ""
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.stats = ChannelStats()
         self.shutdown = asyncio.Event()
         self.controller_dead = asyncio.Event()
         self.policy_version = -1
@@ -250,25 +254,27 @@ class ControlClient:
         self._sock.close(linger=0)
 
     async def _recv_loop(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            try:
-                msg = codec.decode(frames, allowed=_TO_SERVICE, run_id=self.run_id)
-            except SchemaMismatch as exc:
-                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
-                continue
-            self._last_seen = time.monotonic()
-            if self.controller_dead.is_set():
-                self.controller_dead.clear()
-                self.log.info("controller_back")
-            if isinstance(msg.body, Heartbeat):
-                # the controller's heartbeats carry the learner's current policy version
-                self.policy_version = max(self.policy_version, msg.body.policy_version)
-            if isinstance(msg.body, Shutdown):
-                self.log.info("shutdown_requested", reason=msg.body.reason)
-                self.shutdown.set()
-            elif not isinstance(msg.body, Heartbeat):
-                self.inbox.put_nowait(msg.body)
+        await guarded(self._recv_one, self.log, self.stats)
+
+    async def _recv_one(self) -> None:
+        frames = await self._sock.recv_multipart(copy=False)
+        try:
+            msg = codec.decode(frames, allowed=_TO_SERVICE, run_id=self.run_id)
+        except SchemaMismatch as exc:
+            self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+            return
+        self._last_seen = time.monotonic()
+        if self.controller_dead.is_set():
+            self.controller_dead.clear()
+            self.log.info("controller_back")
+        if isinstance(msg.body, Heartbeat):
+            # the controller's heartbeats carry the learner's current policy version
+            self.policy_version = max(self.policy_version, msg.body.policy_version)
+        if isinstance(msg.body, Shutdown):
+            self.log.info("shutdown_requested", reason=msg.body.reason)
+            self.shutdown.set()
+        elif not isinstance(msg.body, Heartbeat):
+            self.inbox.put_nowait(msg.body)
 
     async def _liveness_loop(self) -> None:
         while True:

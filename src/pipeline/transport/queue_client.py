@@ -38,6 +38,8 @@ class _Producer:
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
     outstanding: int = 0  # credit granted and not yet used
+    owed: int = 0  # credit earned back by taken items, not yet granted
+    acks: list[str] = field(default_factory=list)  # acks not yet sent
 
 
 @dataclass
@@ -85,6 +87,8 @@ class QueueClient:
         self._tasks: list[asyncio.Task[Any]] = []
         self._seq = 0
         self._closed = False
+        self._flush_scheduled = False
+        self._aux: set[asyncio.Task[Any]] = set()
         self.stats = ChannelStats()
         self.log = get_logger("queue_client", queue=queue)
         for endpoint in endpoints:
@@ -118,7 +122,12 @@ class QueueClient:
         if self._closed:
             raise TransportClosed(f"queue {self.queue} is closed")
         delivery = await asyncio.wait_for(self._buffer.get(), timeout)
-        await self._grant(delivery._producers[0], 1)
+        producer = delivery._producers[0]
+        producer.owed += 1
+        # credit goes back in batches; never fewer than the producer needs to keep sending
+        if producer.owed >= max(1, self.config.prefetch // 4) or self._buffer.empty():
+            owed, producer.owed = producer.owed, 0
+            await self._grant(producer, owed)
         return delivery
 
     def mark_done(self, uids: Iterable[str]) -> None:
@@ -162,41 +171,64 @@ class QueueClient:
         self._done.add(delivery.uid)
         self.stats.acked += 1
         for producer in delivery._producers:
-            asyncio.get_running_loop().create_task(
-                self._send(producer, Ack(queue=self.queue, uids=[delivery.uid]))
-            )
+            producer.acks.append(delivery.uid)
+            if not self._flush_scheduled:
+                # one Ack message per producer per loop tick, whatever the number acked
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._schedule_flush)
+
+    def _schedule_flush(self) -> None:
+        self._flush_scheduled = False
+        task = asyncio.get_running_loop().create_task(self._flush_acks())
+        self._aux.add(task)
+        task.add_done_callback(self._aux.discard)
+
+    async def _flush_acks(self) -> None:
+        for producer in self._producers:
+            if producer.acks:
+                uids, producer.acks = producer.acks, []
+                await self._send(producer, Ack(queue=self.queue, uids=uids))
 
     async def _recv_loop(self, producer: _Producer) -> None:
         while True:
-            frames = await producer.sock.recv_multipart(copy=False)
-            producer.last_seen = time.monotonic()
             try:
-                msg = codec.decode(
-                    frames,
-                    allowed=(self.allowed or frozenset()) | {MsgType.HEARTBEAT},
-                    limits=self.config.limits,
-                    run_id=self.run_id,
-                )
-            except SchemaMismatch as exc:
-                self.stats.rejected[exc.reason] += 1
-                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
-                continue
-            if msg.header.sender != producer.incarnation:
-                if producer.incarnation:
-                    # the producer restarted and forgot our credit: grant it afresh
-                    self.log.info("producer_restarted", endpoint=producer.endpoint)
-                    producer.outstanding = 0
-                    await self._grant(producer, self.config.prefetch - self._buffer.qsize())
-                producer.incarnation = msg.header.sender
-            if not producer.alive:
-                producer.alive = True
-                self.log.info("producer_back", endpoint=producer.endpoint)
-            if isinstance(msg.body, Heartbeat):
-                await self._send(producer, Heartbeat(service=self.queue, backlog=self.buffered))
-                continue
-            self.stats.received += 1
-            producer.outstanding = max(0, producer.outstanding - 1)
-            self._on_item(producer, msg)
+                await self._recv_one(producer)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one message end the loop silently
+                self.stats.rejected["internal_error"] += 1
+                self.log.exception("receive_failed", endpoint=producer.endpoint)
+
+    async def _recv_one(self, producer: _Producer) -> None:
+        frames = await producer.sock.recv_multipart(copy=False)
+        producer.last_seen = time.monotonic()
+        try:
+            msg = codec.decode(
+                frames,
+                allowed=(self.allowed or frozenset()) | {MsgType.HEARTBEAT},
+                limits=self.config.limits,
+                run_id=self.run_id,
+            )
+        except SchemaMismatch as exc:
+            self.stats.rejected[exc.reason] += 1
+            self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+            return
+        if msg.header.sender != producer.incarnation:
+            if producer.incarnation:
+                # the producer restarted and forgot our credit: grant it afresh
+                self.log.info("producer_restarted", endpoint=producer.endpoint)
+                producer.outstanding = producer.owed = 0
+                await self._grant(producer, max(1, self.config.prefetch - self._buffer.qsize()))
+            producer.incarnation = msg.header.sender
+        if not producer.alive:
+            producer.alive = True
+            self.log.info("producer_back", endpoint=producer.endpoint)
+        if isinstance(msg.body, Heartbeat):
+            await self._send(producer, Heartbeat(service=self.queue, backlog=self.buffered))
+            return
+        self.stats.received += 1
+        producer.outstanding = max(0, producer.outstanding - 1)
+        self._on_item(producer, msg)
 
     def _on_item(self, producer: _Producer, msg: codec.Message) -> None:
         uid = str(msg.body.uid)
@@ -232,5 +264,8 @@ class QueueClient:
                     self.log.warning(
                         "producer_silent", endpoint=producer.endpoint, silent_s=round(silent, 1)
                     )
+                if producer.owed:
+                    owed, producer.owed = producer.owed, 0
+                    await self._grant(producer, owed)
                 # heartbeats keep us known to the producer (and re-register after its restart)
                 await self._send(producer, Heartbeat(service=self.queue, backlog=self.buffered))

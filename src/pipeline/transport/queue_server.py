@@ -34,11 +34,12 @@ from pipeline.transport.channel import (
 _CONTROL_TYPES = frozenset({MsgType.CREDIT, MsgType.ACK, MsgType.HEARTBEAT})
 
 
-@dataclass
+@dataclass(eq=False)
 class _Item:
     uid: str
     frames: list[Any]
     acked: asyncio.Future[None]
+    requeued: bool = False
 
 
 @dataclass
@@ -73,6 +74,7 @@ class QueueServer:
         self._by_uid: dict[str, _Item] = {}
         self._seq = 0
         self._space = asyncio.Condition()
+        self._waiting = 0
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._closed = False
@@ -95,8 +97,13 @@ class QueueServer:
         """Queue one item; waits while the queue is full. Returns a future set on ack."""
         if self._closed:
             raise TransportClosed(f"queue {self.queue} is closed")
-        async with self._space:
-            await self._space.wait_for(lambda: len(self._pending) < self.config.max_pending)
+        if len(self._pending) >= self.config.max_pending:
+            async with self._space:
+                self._waiting += 1
+                try:
+                    await self._space.wait_for(lambda: len(self._pending) < self.config.max_pending)
+                finally:
+                    self._waiting -= 1
         self._seq += 1
         frames = codec.encode(
             body, run_id=self.run_id, sender=self.identity, seq=self._seq, tensors=tensors
@@ -147,33 +154,42 @@ class QueueServer:
 
     async def _recv_loop(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            identity = frames[0].bytes
             try:
-                msg = codec.decode(
-                    frames[1:],
-                    allowed=_CONTROL_TYPES,
-                    limits=self.config.limits,
-                    run_id=self.run_id,
-                )
-            except SchemaMismatch as exc:
-                self.stats.rejected[exc.reason] += 1
-                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
-                continue
-            consumer = self._consumers.get(identity)
-            if consumer is None:
-                consumer = self._consumers[identity] = _Consumer(identity=identity)
-                self.log.info("consumer_joined", consumer=identity.decode(errors="replace"))
-            consumer.last_seen = time.monotonic()
-            body = msg.body
-            if isinstance(body, Credit):
-                consumer.credit += max(0, body.credits)
-                self._wakeup.set()
-            elif isinstance(body, Heartbeat):
-                pass
-            else:  # Ack
-                for uid in body.uids:
-                    self._on_ack(uid)
+                await self._recv_one()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one message end the loop silently
+                self.stats.rejected["internal_error"] += 1
+                self.log.exception("receive_failed")
+
+    async def _recv_one(self) -> None:
+        frames = await self._sock.recv_multipart(copy=False)
+        identity = frames[0].bytes
+        try:
+            msg = codec.decode(
+                frames[1:],
+                allowed=_CONTROL_TYPES,
+                limits=self.config.limits,
+                run_id=self.run_id,
+            )
+        except SchemaMismatch as exc:
+            self.stats.rejected[exc.reason] += 1
+            self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+            return
+        consumer = self._consumers.get(identity)
+        if consumer is None:
+            consumer = self._consumers[identity] = _Consumer(identity=identity)
+            self.log.info("consumer_joined", consumer=identity.decode(errors="replace"))
+        consumer.last_seen = time.monotonic()
+        body = msg.body
+        if isinstance(body, Credit):
+            consumer.credit += max(0, body.credits)
+            self._wakeup.set()
+        elif isinstance(body, Heartbeat):
+            pass
+        else:  # Ack
+            for uid in body.uids:
+                self._on_ack(uid)
 
     def _on_ack(self, uid: str) -> None:
         item = self._by_uid.pop(uid, None)
@@ -185,11 +201,14 @@ class QueueServer:
         if not item.acked.done():
             item.acked.set_result(None)
         # an acked item that was re-queued for redelivery must not go out again
-        if item in self._pending:
+        if item.requeued and item in self._pending:
             self._pending.remove(item)
             self._notify_space()
 
     def _notify_space(self) -> None:
+        if not self._waiting:
+            return
+
         async def _notify() -> None:
             async with self._space:
                 self._space.notify_all()
@@ -232,6 +251,7 @@ class QueueServer:
         items = [i for i in consumer.inflight.values() if i.uid in self._by_uid]
         self.stats.redelivered += len(items)
         for item in reversed(items):
+            item.requeued = True
             self._pending.appendleft(item)
         self.log.warning(
             "consumer_dead",

@@ -1,0 +1,126 @@
+"""The GPU benches (rollout_decode, learner_step) run end to end on CPU with the tiny shape.
+
+Numbers are not checked (a shared 2-core machine makes them noise); the figure format is,
+because all_gpu, the README and other tools read these lines. all_gpu's bookkeeping (file
+names, skips, merging) is checked without running any bench.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.bench import all_gpu
+from pipeline.bench.common import KEYS
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PIPELINE_LOG_LEVEL": "warning"}
+
+
+def run_bench(module: str, tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], list[str]]:
+    out_file = tmp_path / f"{module}.json"
+    cmd = [sys.executable, "-m", f"pipeline.bench.{module}", "--shape", "tiny"]
+    cmd += ["--device", "cpu", "--threads", "1", "--warmup", "1", "--json", str(out_file)]
+    cmd += list(extra)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    figs = [json.loads(line) for line in lines if line.startswith("{")]
+    assert figs
+    # the JSON lines come last, after the human table; --json holds the same list
+    assert all(line.startswith("{") for line in lines[-len(figs) :])
+    assert any(line.startswith("figure") for line in lines[: -len(figs)])
+    assert json.loads(out_file.read_text()) == figs
+    return figs, lines
+
+
+def check_common(fig: dict[str, Any], bench: str) -> None:
+    assert list(fig) == list(KEYS)
+    assert fig["bench"] == bench
+    assert fig["device"].startswith("cpu (")
+    assert fig["git"] and fig["date"]
+    for key in ("value", "baseline_value", "ratio", "bound", "fraction_of_bound"):
+        assert isinstance(fig[key], float) and fig[key] > 0, key
+    assert abs(fig["ratio"] - fig["value"] / fig["baseline_value"]) < 1e-3 * fig["ratio"] + 1e-4
+    assert (
+        abs(fig["fraction_of_bound"] - fig["value"] / fig["bound"])
+        < 1e-3 * fig["fraction_of_bound"] + 1e-4
+    )
+
+
+def test_rollout_decode_tiny_cpu(tmp_path: Path) -> None:
+    figs, _ = run_bench("rollout_decode", tmp_path, "--repeats", "1")
+    assert [f["figure"] for f in figs] == [
+        "tokens_per_s_b4",
+        "tokens_per_s_b4_vs_dynamic",
+        "tokens_per_s_b8",
+        "tokens_per_s_b8_vs_dynamic",
+    ]
+    for fig in figs:
+        check_common(fig, "rollout_decode")
+        config = fig["config"]
+        assert config["shape"] == "tiny" and config["prompt"] == 16 and config["new_tokens"] == 16
+        assert config["batch"] in (4, 8) and config["repeats"] == 1
+        assert set(config["tokens_per_s"]) == {"ours", "hf_dynamic", "hf_static"}
+        assert config["copy_bandwidth_bytes_per_s"] > 0 and config["weight_bytes"] > 0
+        assert "bound_formula" in config and "copy_bandwidth_formula" in config
+        # on CPU the static-cache baseline runs eager
+        expected = "hf_generate_dynamic" if fig["figure"].endswith("_vs_dynamic") else None
+        assert fig["baseline"] == (expected or "hf_generate_static")
+        assert config["hf_compiled"] is False and config["cuda_graphs"] is False
+        assert fig["value"] == pytest.approx(config["tokens_per_s"]["ours"], rel=1e-3)
+
+
+def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
+    figs, _ = run_bench("learner_step", tmp_path, "--steps", "2")
+    assert [f["figure"] for f in figs] == ["tokens_per_s", "tokens_per_s_vs_eager", "mfu"]
+    for fig in figs:
+        check_common(fig, "learner_step")
+        config = fig["config"]
+        assert config["batch"] == 2 and config["seq"] == 64 and config["prompt"] == 16
+        assert config["tokens_per_step"] == 128 and config["params"] > 0
+        assert config["trainer"]["keep_reference"] is False
+        assert config["trainer"]["use_kl_loss"] is False
+        assert config["hf_compiled"] is False
+        assert fig["baseline"] in ("hf_train_step_eager", "hf_train_step_compiled")
+        assert set(config["seconds"]) == {"ours", "hf_eager"}
+        assert len(config["seconds"]["ours"]) == 2
+    tps, _, mfu = figs
+    # mfu is tokens/s in units of the peak: 6 * params * tokens/s / peak
+    config = mfu["config"]
+    expected = 6 * config["params"] * tps["value"] / config["peak_flops"]
+    assert mfu["value"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_all_gpu_bookkeeping(tmp_path: Path) -> None:
+    assert all_gpu.device_slug("NVIDIA H200") == "h200"
+    assert all_gpu.device_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert all_gpu.device_slug("cpu (AMD EPYC)") == "cpu"
+    names = [j.bench for j in all_gpu.jobs("cuda")]
+    assert names == ["weight_sync", "weight_sync", "rollout_decode", "learner_step", "e2e"]
+
+    missing = all_gpu.Job("nope", "no_such_bench_module", [])
+    skipped = all_gpu.run_job(missing, "cuda", 100.0, tmp_path)
+    assert skipped.status == "skipped" and "does not exist" in skipped.note
+    late = all_gpu.run_job(all_gpu.jobs("cuda")[2], "cuda", 1.0, tmp_path)
+    assert late.status == "skipped" and "left" in late.note
+
+    def fig(bench: str, shape: str) -> dict[str, Any]:
+        return {"bench": bench, "figure": "f", "device": "NVIDIA H200", "config": {"s": shape}}
+
+    ok = [
+        all_gpu.Outcome(all_gpu.jobs("cuda")[0], "ok", 1.0, figures=[fig("weight_sync", "a")]),
+        all_gpu.Outcome(all_gpu.jobs("cuda")[1], "ok", 1.0, figures=[fig("weight_sync", "b")]),
+        all_gpu.Outcome(all_gpu.jobs("cuda")[3], "failed", 1.0, "exit code 1"),
+    ]
+    written = all_gpu.write_results(ok, tmp_path / "results")
+    assert written == {"weight_sync": tmp_path / "results" / "weight_sync-h200.json"}
+    merged = json.loads(written["weight_sync"].read_text())
+    assert [f["config"]["s"] for f in merged] == ["a", "b"]
+    text = all_gpu.summary(ok, written)
+    assert "failed" in text and "exit code 1" in text

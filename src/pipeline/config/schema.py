@@ -79,6 +79,8 @@ class TaskConfig:
     dataset: str = "toy_reverse"
     dataset_size: int = 512
     max_prompt_tokens: int = 64
+    # supervised steps on copying digits before RL (the generated tiny model only)
+    warm_start_steps: int = 200
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,13 @@ class PipelineConfig:
                     f"services.{role} needs {need} devices but pool {placement.pool!r} has "
                     f"{len(pool.devices)}; lower replicas or devices_per_replica"
                 )
+        if self.critic.enabled and self.replicas("critic") < 1:
+            raise ConfigError("critic.enabled = true needs a [services.critic] placement")
+        if not self.critic.enabled and self.replicas("critic") > 0:
+            raise ConfigError(
+                "[services.critic] is placed but critic.enabled = false; remove the placement "
+                "or enable the critic"
+            )
         if self.algorithm.advantage_estimator in ("gae", "vtrace") and not self.critic.enabled:
             raise ConfigError(
                 f"algorithm.advantage_estimator = {self.algorithm.advantage_estimator!r} needs "

@@ -32,7 +32,10 @@ def prepare_task(config: PipelineConfig, run_dir: Path) -> Task:
             from pipeline.tiny_model import make_tiny_model
 
             make_tiny_model(
-                directory, vocab_size=len(load_tokenizer(directory)), seed=config.run.seed
+                directory,
+                vocab_size=len(load_tokenizer(directory)),
+                seed=config.run.seed,
+                warm_start_steps=config.task.warm_start_steps,
             )
     elif config.model.path and not directory.exists():
         raise ConfigError(

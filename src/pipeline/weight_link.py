@@ -1,9 +1,94 @@
-"""Wiring between the learner's trainer and the rollout engines' weights."""
+"""Wiring between the learner's trainer and the rollout engines' weights.
+
+The learner hosts a `WeightHub` at an address derived from the config (like every other
+socket of the run); each rollout replica registers a `WeightReceiver` there. After every
+step the learner publishes the new version in buckets (gloo on CPU, NCCL between GPUs,
+CUDA IPC on a shared GPU); each engine applies it between decode steps and only then
+reports the version as serving.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import torch
 
-async def make_publisher(ctx: Any, model: Any) -> Any:
-    return None
+from pipeline.config import PipelineConfig
+from pipeline.log import get_logger
+from pipeline.runtime import layout
+
+log = get_logger("weight_link")
+
+
+def hub_endpoint(config: PipelineConfig) -> str:
+    if config.run.transport == "ipc":
+        return f"ipc://{layout.socket_dir(config)}/weights.sock"
+    return f"tcp://{config.pools[config.services['learner'].pool].host}:{config.run.controller_port + 900}"
+
+
+def publish_config(config: PipelineConfig) -> Any:
+    from pipeline.weights import PublishConfig
+
+    return PublishConfig(dtype=getattr(torch, config.model.dtype))
+
+
+class LearnerWeights:
+    """The learner's side: publish after each step, report seconds and GB/s."""
+
+    def __init__(self, ctx: Any, model: torch.nn.Module) -> None:
+        from pipeline.weights import WeightHub, WeightPublisher
+
+        self.ctx = ctx
+        self.replicas = ctx.config.replicas("rollout")
+        self.hub = WeightHub(endpoint=hub_endpoint(ctx.config), run_id=ctx.run_id)
+        self.publisher = WeightPublisher(model, hub=self.hub, config=publish_config(ctx.config))
+
+    async def publish(self, version: int) -> dict[str, float]:
+        from pipeline.errors import WeightSyncError
+
+        try:
+            report = await asyncio.to_thread(self.publisher.publish, version)
+        except WeightSyncError as exc:
+            # the old version keeps serving on the engines; the run goes on
+            log.error("weight_sync_failed", version=version, error=str(exc))
+            return {"sync_failed": 1.0}
+        return {
+            "sync_seconds": float(report.seconds),
+            "sync_gbps": float(report.gbps),
+            "sync_bytes": float(report.bytes),
+        }
+
+    async def wait_for_engines(self, timeout_s: float) -> None:
+        names = await asyncio.to_thread(self.hub.wait_for_members, self.replicas, timeout_s)
+        log.info("engines_registered", engines=names)
+
+    async def close(self) -> None:
+        self.publisher.close()
+        self.hub.close()
+
+
+async def make_publisher(ctx: Any, model: torch.nn.Module) -> LearnerWeights | None:
+    if ctx.config.replicas("rollout") < 1:
+        return None
+    return LearnerWeights(ctx, model)
+
+
+def start_receiver(ctx: Any, runner: Any) -> Any:
+    """The engine's side: a receiver thread that stages complete updates into the engine."""
+    from pipeline.weights import WeightReceiver
+
+    def apply(tensors: dict[str, torch.Tensor], version: int) -> None:
+        runner.update_weights(tensors.items(), version)  # copies; applied at a safe point
+
+    receiver = WeightReceiver(
+        f"rollout-{ctx.replica}",
+        hub_endpoint(ctx.config),
+        runner.engine.model,
+        apply,
+        replica=ctx.replica,
+        run_id=ctx.run_id,
+        version=runner.version,
+    )
+    receiver.start()
+    return receiver

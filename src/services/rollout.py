@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -18,10 +19,13 @@ class RolloutService(Service):
 
     async def setup(self) -> None:
         self.engine: Any = None
+        self.receiver: Any = None
         if not self.config.run.standin:
             from pipeline.rollout_worker import start_engine
+            from pipeline.weight_link import start_receiver
 
             self.engine = await start_engine(self.ctx)
+            self.receiver = start_receiver(self.ctx, self.engine)
 
     def standin(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:
         """Until an engine is configured: a fixed completion per prompt (its own ids)."""
@@ -57,6 +61,8 @@ class RolloutService(Service):
         return [write_group(group, Rollout)]
 
     async def teardown(self) -> None:
+        if self.receiver is not None:
+            await asyncio.to_thread(self.receiver.stop)
         if self.engine is not None:
             await self.engine.close()
 

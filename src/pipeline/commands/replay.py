@@ -8,6 +8,7 @@ recorded under `<out>/queues/`, so they can be compared with the original run's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 from pathlib import Path
@@ -35,6 +36,14 @@ def load_service_class(role: str) -> Any:
 
 async def replay(run_dir: Path, role: str, out_dir: Path) -> dict[str, Any]:
     config = config_from_json((run_dir / "config.json").read_text())
+    if not config.model.path:
+        # the run made its model in its own directory: load that one, not a new one
+        from pipeline.tasks import model_dir
+
+        config = dataclasses.replace(
+            config,
+            model=dataclasses.replace(config.model, path=str(model_dir(config, run_dir).resolve())),
+        )
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
     in_queue = layout.input_queue(config, role)
     out_queue = layout.output_queue(config, role)

@@ -9,7 +9,7 @@ from typing import Any
 
 PLOTS = {
     "reward": ["reward_mean"],
-    "kl": ["actor/kl_k3", "actor/kl_k1", "mismatch/kl"],
+    "kl": ["kl/k3", "kl/k1", "mismatch/kl"],
     "entropy": ["actor/entropy"],
     "tokens_per_s": ["tokens_per_s"],
     "staleness": ["staleness_max", "staleness_mean"],

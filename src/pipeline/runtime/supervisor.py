@@ -220,7 +220,7 @@ class _Progress:
             self.offset += len(line.encode())
             rec = json.loads(line)
             info = (
-                f"reward {rec.get('reward_mean', 0):.3f}  kl {rec.get('kl_k3', 0):.4f}  "
+                f"reward {rec.get('reward_mean', 0):.3f}  kl {rec.get('kl/k3', 0):.4f}  "
                 f"tok/s {rec.get('tokens_per_s', 0):.0f}  stale {rec.get('staleness_max', 0):.0f}"
                 f"  sync {rec.get('sync_seconds', 0) * 1000:.0f}ms"
             )

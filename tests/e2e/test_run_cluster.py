@@ -81,7 +81,8 @@ def test_inspect_reads_the_run_and_exports(standin_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for x in out_jsonl.read_text().splitlines()]
     summary = json.loads((standin_run / "summary.json").read_text())
-    assert len({r["uid"] for r in rows}) == summary["trained"]
+    # the learner records what it received: trained groups and the ones dropped as stale
+    assert len({r["uid"] for r in rows}) == summary["trained"] + summary["dropped"]
     assert all(r["type"] == "SCORED" and r["n_samples"] == 4 for r in rows)
     import pyarrow.parquet as pq
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -31,18 +30,16 @@ CONFIG = ModelConfig(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, compile_blocks: bool) -> None:
+def _worker(rank: int, init_file: str, compile_blocks: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+        # a rendezvous file, not a picked port: no race with other processes for the port
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
     )
     try:
         torch.manual_seed(0)  # same weights and data on every rank
@@ -84,11 +81,11 @@ def _worker(rank: int, port: int, compile_blocks: bool) -> None:
         dist.destroy_process_group()
 
 
-def test_fsdp2_two_rank_gloo_forward_and_grads_equal_unsharded_model():
-    mp.spawn(_worker, args=(_free_port(), False), nprocs=WORLD, join=True)
+def test_fsdp2_two_rank_gloo_forward_and_grads_equal_unsharded_model(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "rdzv"), False), nprocs=WORLD, join=True)
 
 
 @pytest.mark.slow
-def test_fsdp2_with_compiled_blocks_equals_unsharded_model():
+def test_fsdp2_with_compiled_blocks_equals_unsharded_model(tmp_path):
     # torch.compile (inductor, C++ on CPU) takes ~40 s here, hence `slow`
-    mp.spawn(_worker, args=(_free_port(), True), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "rdzv"), True), nprocs=WORLD, join=True)

@@ -29,7 +29,12 @@ def test_bench_tiny_cpu_prints_json_figures(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
-    assert [f["figure"] for f in lines] == ["publish_seconds", "publish_gbps"]
+    assert [f["figure"] for f in lines] == [
+        "publish_seconds",
+        "first_sync_seconds",
+        "max_sync_seconds_after_first",
+        "publish_gbps",
+    ]
     for fig in lines:
         assert list(fig) == KEYS
         assert fig["bench"] == "weight_sync" and fig["device"] == "cpu"

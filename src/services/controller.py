@@ -94,6 +94,10 @@ class Controller:
         from pipeline.tasks import prepare_task
 
         write_resolved(self.config, self.run_dir)
+        import torch
+
+        # the warm start runs here: a fixed thread count keeps it the same run to run
+        torch.set_num_threads(max(1, self.config.run.torch_threads))
         task = prepare_task(self.config, self.run_dir)
         self._tokenizer = task.tokenizer
         limit = self.config.task.max_prompt_tokens

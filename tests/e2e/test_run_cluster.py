@@ -83,7 +83,8 @@ def test_inspect_reads_the_run_and_exports(standin_run, tmp_path):
     summary = json.loads((standin_run / "summary.json").read_text())
     # the learner records what it received: trained groups and the ones dropped as stale
     assert len({r["uid"] for r in rows}) == summary["trained"] + summary["dropped"]
-    assert all(r["type"] == "SCORED" and r["n_samples"] == 4 for r in rows)
+    n_samples = json.loads((standin_run / "config.json").read_text())["rollout"]["n_samples"]
+    assert all(r["type"] == "SCORED" and r["n_samples"] == n_samples for r in rows)
     import pyarrow.parquet as pq
 
     assert pq.read_table(out_parquet).num_rows == len(rows)

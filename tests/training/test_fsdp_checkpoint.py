@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from pipeline.algorithms import AlgorithmConfig
 from pipeline.training import PolicyTrainer, TrainerConfig
 
-from ._helpers import free_port, make_batch, save_tiny_model, state_of
+from ._helpers import make_batch, save_tiny_model, state_of
 
 WORLD = 2
 TOTAL = 4
@@ -30,11 +30,10 @@ CONFIG = TrainerConfig(
 ALGORITHM = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
 
 
-def _worker(rank: int, port: int, root: str, phase: str) -> None:
+def _worker(rank: int, rendezvous: str, root: str, phase: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+    # a rendezvous file, not a picked port: no race with other processes for the port
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
         out = Path(root)
         trainer = PolicyTrainer(out / "model", CONFIG, ALGORITHM)
@@ -67,7 +66,8 @@ def test_two_rank_dcp_resume_in_fresh_processes_and_sharded_hf_export(tmp_path: 
     expected_state = state_of(single.model)
 
     for phase in ("first", "resume"):  # separate process groups: nothing survives in memory
-        mp.spawn(_worker, args=(free_port(), str(tmp_path), phase), nprocs=WORLD, join=True)
+        rendezvous = str(tmp_path / f"rdzv-{phase}")
+        mp.spawn(_worker, args=(rendezvous, str(tmp_path), phase), nprocs=WORLD, join=True)
 
     losses = json.loads((tmp_path / "first_losses.json").read_text())
     losses += json.loads((tmp_path / "resume_losses.json").read_text())

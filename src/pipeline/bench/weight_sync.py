@@ -31,47 +31,10 @@ from typing import Any
 
 import torch
 
+from pipeline.bench.shapes import SHAPES
 from pipeline.models import CausalLM, ModelConfig
 from pipeline.transport.channel import free_tcp_port
 
-SHAPES: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        model_type="qwen2",
-        vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        attention_bias=True,
-        tie_word_embeddings=True,
-    ),
-    "0.5b": ModelConfig(  # Qwen2.5-0.5B
-        model_type="qwen2",
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        attention_bias=True,
-        tie_word_embeddings=True,
-    ),
-    "7b": ModelConfig(  # Qwen2.5-7B
-        model_type="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        head_dim=128,
-        attention_bias=True,
-        tie_word_embeddings=False,
-    ),
-}
 ROLLOUT = torch.bfloat16
 BASELINE_GENERATION = 1_000_000  # the bench-only gloo group, far from real generations
 

@@ -99,9 +99,16 @@ def current_dist_info(device: str = "auto") -> DistInfo:
 
 
 def teardown_distributed() -> None:
-    """Destroy the default group if this process has one (idempotent)."""
+    """Destroy the default group if this process has one (idempotent).
+
+    A barrier first: rank 0 hosts the TCP store, and a rank still talking to it when rank 0
+    exits aborts (SIGABRT) instead of finishing cleanly.
+    """
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def build_mesh(info: DistInfo) -> DeviceMesh | None:

@@ -35,6 +35,16 @@ def groups_to_batch(groups: list[GroupArrays]) -> Any:
     )
 
 
+def trainer_config(config: Any) -> Any:
+    """The learner's trainer settings, with the sampler's temperature: PPO ratios and the
+    mismatch metrics compare log-probs of the distribution the engine actually sampled
+    (greedy engines report temperature-1 log-probs)."""
+    import dataclasses
+
+    temperature = config.rollout.temperature or 1.0
+    return dataclasses.replace(config.learner.trainer, temperature=temperature)
+
+
 class LearnerWorker:
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -53,7 +63,7 @@ class LearnerWorker:
         torch.set_num_threads(max(1, self.config.run.torch_threads))
         directory = model_dir(self.config, Path(self.ctx.run_dir))
         self.trainer = PolicyTrainer(
-            str(directory), self.config.learner.trainer, self.config.algorithm
+            str(directory), trainer_config(self.config), self.config.algorithm
         )
         if latest_step(self.checkpoints) is not None:
             loaded = await asyncio.to_thread(self.trainer.load_checkpoint, self.checkpoints)

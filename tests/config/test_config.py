@@ -78,3 +78,16 @@ def test_resolved_config_is_written_to_the_run_dir(tmp_path):
     config = load_config(REPO / "profiles/local-cpu.toml")
     path = write_resolved(config, tmp_path)
     assert json.loads(path.read_text())["controller"]["steps"] == config.controller.steps
+
+
+def test_learner_takes_the_samplers_temperature():
+    from pipeline.learner_worker import trainer_config
+
+    config = load_config(
+        REPO / "profiles/local-cpu.toml", parse_override_args(["--rollout.temperature", "0.7"])
+    )
+    assert trainer_config(config).temperature == 0.7
+    greedy = load_config(
+        REPO / "profiles/local-cpu.toml", parse_override_args(["--rollout.temperature", "0"])
+    )
+    assert trainer_config(greedy).temperature == 1.0

@@ -11,20 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-KEYS = [
-    "bench",
-    "figure",
-    "value",
-    "baseline",
-    "baseline_value",
-    "ratio",
-    "bound",
-    "fraction_of_bound",
-    "device",
-    "config",
-    "git",
-    "date",
-]
+from pipeline.bench.common import KEYS
+
 FIGURES = [
     f"{kind}_{size}" for size in ("1KiB", "1MiB", "64MiB") for kind in ("msgs_per_s", "gbps")
 ]
@@ -40,7 +28,7 @@ def test_transport_bench_prints_json_figures(tmp_path: Path) -> None:
     figs = [json.loads(line) for line in lines if line.startswith("{")]
     assert [f["figure"] for f in figs] == FIGURES
     for fig in figs:
-        assert list(fig) == KEYS
+        assert list(fig) == list(KEYS)
         assert fig["bench"] == "transport"
         assert fig["baseline"] == "raw_pyzmq_push_pull"
         assert fig["device"].startswith("cpu (")

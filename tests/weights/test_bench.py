@@ -6,20 +6,7 @@ import json
 import subprocess
 import sys
 
-KEYS = [
-    "bench",
-    "figure",
-    "value",
-    "baseline",
-    "baseline_value",
-    "ratio",
-    "bound",
-    "fraction_of_bound",
-    "device",
-    "config",
-    "git",
-    "date",
-]
+from pipeline.bench.common import KEYS
 
 
 def test_bench_tiny_cpu_prints_json_figures(tmp_path):
@@ -36,7 +23,7 @@ def test_bench_tiny_cpu_prints_json_figures(tmp_path):
         "publish_gbps",
     ]
     for fig in lines:
-        assert list(fig) == KEYS
+        assert list(fig) == list(KEYS)
         assert fig["bench"] == "weight_sync" and fig["device"] == "cpu"
         for key in ("value", "baseline_value", "ratio", "bound", "fraction_of_bound"):
             assert isinstance(fig[key], float) and fig[key] > 0, key

@@ -35,13 +35,16 @@ class Engine(ABC):
     ) -> None:
         """Stage a complete set of weights as policy `version`; applied by a later step()."""
 
-    @abstractmethod
+    # every engine pauses the same way: its step() checks this flag
+    _paused: bool = False
+
     def pause(self) -> None:
         """Stop admitting and decoding; staged weights are still applied by step()."""
+        self._paused = True
 
-    @abstractmethod
     def resume(self) -> None:
         """Undo pause()."""
+        self._paused = False
 
     @property
     @abstractmethod
@@ -49,8 +52,8 @@ class Engine(ABC):
         """Policy version of the weights that the next decoded token will use."""
 
     @property
-    @abstractmethod
-    def paused(self) -> bool: ...
+    def paused(self) -> bool:
+        return self._paused
 
     @abstractmethod
     def has_unfinished(self) -> bool:

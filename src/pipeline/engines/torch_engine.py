@@ -164,16 +164,6 @@ class TorchEngine(Engine):
     def version(self) -> int:
         return self.weights.version
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    def pause(self) -> None:
-        self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 

@@ -124,16 +124,6 @@ class VLLMEngine(Engine):
     def version(self) -> int:
         return self._version
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    def pause(self) -> None:
-        self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-
     def has_unfinished(self) -> bool:
         return bool(self._tracks)
 

@@ -107,11 +107,15 @@ class Credit(_Wire):
 
 
 class Ack(_Wire):
-    """Consumer -> producer: these uids are done; forget them (no redelivery)."""
+    """Consumer -> producer: these uids are done; forget them (no redelivery).
+
+    `credits` grants more items in the same message (one message per loop tick carries
+    both, so a busy consumer sends one control message per batch, not two per item)."""
 
     TYPE: ClassVar[MsgType] = MsgType.ACK
     queue: str
     uids: list[str]
+    credits: int = 0
 
 
 class Heartbeat(_Wire):

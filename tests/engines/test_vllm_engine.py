@@ -78,10 +78,31 @@ def test_vllm_weight_update_changes_outputs_and_versions(vllm_engine, model_dir)
     state = perturbed_state(native, seed=9)
     new = CausalLM(VLLM_TINY).eval()
     new.load_state_dict(state)
-    vllm_engine.update_weights(state.items(), version=1)
     prompt = prompts(1, [5], seed=4)[0]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
-    (out,) = vllm_engine.generate([GenerationRequest("u", prompt, greedy)])
+    old_ids = greedy_reference(native, prompt, 6)
+    new_ids = greedy_reference(new, prompt, 6)
+    assert new_ids != old_ids  # else this test could not tell the two policies apart
+
+    (before,) = vllm_engine.generate([GenerationRequest("u0", prompt, greedy)])
+    assert before.output_ids == old_ids
+    assert before.token_versions == [0] * 6
+
+    vllm_engine.update_weights(state.items(), version=1)
+    (out,) = vllm_engine.generate([GenerationRequest("u1", prompt, greedy)])
     assert vllm_engine.version == 1
     assert out.token_versions == [1] * 6
-    assert out.output_ids == greedy_reference(new, prompt, 6)
+    assert out.output_ids == new_ids
+    torch.testing.assert_close(
+        torch.tensor(out.logprobs), full_forward_logprobs(new, out), atol=1e-3, rtol=0
+    )
+
+    # a second update (back to the first policy) goes through the same in-place reload
+    vllm_engine.update_weights(native.state_dict().items(), version=2)
+    (back,) = vllm_engine.generate([GenerationRequest("u2", prompt, greedy)])
+    assert vllm_engine.version == 2
+    assert back.token_versions == [2] * 6
+    assert back.output_ids == old_ids
+    torch.testing.assert_close(
+        torch.tensor(back.logprobs), full_forward_logprobs(native, back), atol=1e-3, rtol=0
+    )

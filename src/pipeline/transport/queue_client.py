@@ -25,7 +25,7 @@ from pipeline.transport.channel import (
     ChannelConfig,
     ChannelStats,
     cancel_and_wait,
-    make_socket,
+    make_async_socket,
     new_identity,
 )
 
@@ -95,7 +95,7 @@ class QueueClient:
             self._add(endpoint)
 
     def _add(self, endpoint: str) -> _Producer:
-        sock = make_socket(self._ctx, zmq.DEALER, identity=self.identity)
+        sock = make_async_socket(self._ctx, zmq.DEALER, identity=self.identity)
         sock.connect(endpoint)
         producer = _Producer(endpoint=endpoint, sock=sock)
         self._producers.append(producer)
@@ -122,12 +122,9 @@ class QueueClient:
         if self._closed:
             raise TransportClosed(f"queue {self.queue} is closed")
         delivery = await asyncio.wait_for(self._buffer.get(), timeout)
-        producer = delivery._producers[0]
-        producer.owed += 1
-        # credit goes back in batches; never fewer than the producer needs to keep sending
-        if producer.owed >= max(1, self.config.prefetch // 4) or self._buffer.empty():
-            owed, producer.owed = producer.owed, 0
-            await self._grant(producer, owed)
+        # the credit goes back with this tick's acks, in one message per producer
+        delivery._producers[0].owed += 1
+        self._schedule()
         return delivery
 
     def mark_done(self, uids: Iterable[str]) -> None:
@@ -172,10 +169,13 @@ class QueueClient:
         self.stats.acked += 1
         for producer in delivery._producers:
             producer.acks.append(delivery.uid)
-            if not self._flush_scheduled:
-                # one Ack message per producer per loop tick, whatever the number acked
-                self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._schedule_flush)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """One Ack message per producer per loop tick, whatever the number acked or taken."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._schedule_flush)
 
     def _schedule_flush(self) -> None:
         self._flush_scheduled = False
@@ -185,9 +185,11 @@ class QueueClient:
 
     async def _flush_acks(self) -> None:
         for producer in self._producers:
-            if producer.acks:
+            if producer.acks or producer.owed:
                 uids, producer.acks = producer.acks, []
-                await self._send(producer, Ack(queue=self.queue, uids=uids))
+                credits, producer.owed = producer.owed, 0
+                producer.outstanding += credits
+                await self._send(producer, Ack(queue=self.queue, uids=uids, credits=credits))
 
     async def _recv_loop(self, producer: _Producer) -> None:
         while True:

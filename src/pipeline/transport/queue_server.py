@@ -27,7 +27,7 @@ from pipeline.transport.channel import (
     ChannelStats,
     bind,
     cancel_and_wait,
-    make_socket,
+    make_async_socket,
     new_identity,
 )
 
@@ -67,7 +67,7 @@ class QueueServer:
         self.run_id = run_id
         self.identity = new_identity(sender)
         self._ctx = ctx or zmq.asyncio.Context.instance()
-        self._sock = make_socket(self._ctx, zmq.ROUTER)
+        self._sock = make_async_socket(self._ctx, zmq.ROUTER)
         self.endpoint = bind(self._sock, endpoint)
         self._pending: collections.deque[_Item] = collections.deque()
         self._consumers: dict[bytes, _Consumer] = {}
@@ -187,9 +187,12 @@ class QueueServer:
             self._wakeup.set()
         elif isinstance(body, Heartbeat):
             pass
-        else:  # Ack
+        else:  # Ack, maybe with credit
             for uid in body.uids:
                 self._on_ack(uid)
+            if body.credits > 0:
+                consumer.credit += body.credits
+                self._wakeup.set()
 
     def _on_ack(self, uid: str) -> None:
         item = self._by_uid.pop(uid, None)

@@ -28,9 +28,14 @@ def hub_endpoint(config: PipelineConfig) -> str:
 
 
 def publish_config(config: PipelineConfig) -> Any:
+    """Rollout dtype; CUDA IPC where learner and engines share a GPU (NCCL cannot put two
+    ranks on one device), else NCCL between GPUs / gloo on CPU."""
     from pipeline.weights import PublishConfig
 
-    return PublishConfig(dtype=getattr(torch, config.model.dtype))
+    shared = config.shares_device("rollout", "learner")
+    return PublishConfig(
+        dtype=getattr(torch, config.model.dtype), transport="cuda_ipc" if shared else "auto"
+    )
 
 
 class LearnerWeights:

@@ -91,3 +91,37 @@ def test_learner_takes_the_samplers_temperature():
         REPO / "profiles/local-cpu.toml", parse_override_args(["--rollout.temperature", "0"])
     )
     assert trainer_config(greedy).temperature == 1.0
+
+
+def test_devices_follow_the_pools_and_decide_the_weight_transport():
+    from pipeline.weight_link import publish_config
+
+    single = load_config("profiles/h200-single.toml")
+    assert single.devices("rollout") == [0] and single.devices("learner") == [0]
+    assert single.devices("reward") == []  # a CPU pool pins nothing
+    assert single.shares_device("rollout", "learner")
+    assert publish_config(single).transport == "cuda_ipc"  # NCCL cannot share one GPU
+    two = load_config("profiles/h200-x2.toml")
+    assert two.devices("rollout") == [0] and two.devices("learner") == [1]
+    assert two.devices("critic") == [1]
+    assert not two.shares_device("rollout", "learner")
+    assert publish_config(two).transport == "auto"  # NCCL between the GPUs
+    node = load_config("profiles/node-8gpu.toml")
+    per = node.services["rollout"].devices_per_replica
+    slices = [node.devices("rollout", r) for r in range(node.replicas("rollout"))]
+    assert all(len(s) == per for s in slices)
+    assert len({d for s in slices for d in s}) == per * len(slices)  # replicas never overlap
+    assert publish_config(load_config("profiles/local-cpu.toml")).transport == "auto"
+
+
+def test_a_service_sees_only_its_replica_devices(monkeypatch):
+    from pipeline.runtime.cli_args import pin_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    node = load_config("profiles/node-8gpu.toml")
+    pin_devices(node, "rollout", 1)
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, node.devices("rollout", 1)))
+    pin_devices(node, "reward", 0)  # CPU pool: left as it was
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, node.devices("rollout", 1)))

@@ -4,7 +4,8 @@
         [--device cuda]
 
 Order: weight_sync (0.5B, then 7B shape; short), rollout_decode (0.5B), learner_step (0.5B),
-then e2e when `pipeline.bench.e2e` exists. A bench whose module is missing is skipped with a
+then e2e (a random 0.5B model on `profiles/h200-single.toml`, and on `profiles/h200-x2.toml`
+when two GPUs are visible; BENCH_E2E_STEPS steps each, default 16). A bench whose module is missing is skipped with a
 note; one that fails or runs past its limit is reported and the others still run. Each bench
 gets min(BENCH_TIMEOUT_S (default 240; BENCH_TIMEOUT_S_<BENCH> for one bench, e.g.
 BENCH_TIMEOUT_S_ROLLOUT_DECODE), the time left of BENCH_TOTAL_S (default 570)) seconds, so the
@@ -41,7 +42,6 @@ class Job:
     name: str  # label in the summary
     bench: str  # module under pipeline.bench, and the results file stem
     args: list[str]
-    probe_device_flag: bool = False  # pass --device only if the module's --help has it
 
 
 @dataclass
@@ -61,7 +61,31 @@ def jobs(device: str) -> list[Job]:
         *(Job(f"weight_sync {s}", "weight_sync", [*dev, "--shape", s]) for s in sync_shapes),
         Job(f"rollout_decode {shape}", "rollout_decode", [*dev, "--shape", shape]),
         Job(f"learner_step {shape}", "learner_step", [*dev, "--shape", shape]),
-        Job("e2e", "e2e", [], probe_device_flag=True),
+        *e2e_jobs(device),
+    ]
+
+
+def e2e_jobs(device: str) -> list[Job]:
+    """Async vs sync end to end on one shared GPU, and split over two GPUs when there are.
+
+    BENCH_E2E_STEPS (16), BENCH_E2E_STALENESS ("0,1,2"), BENCH_E2E_PROFILES (both) and
+    BENCH_E2E_RUNS (keep the run directories there) tune them."""
+    if device != "cuda":
+        return [Job("e2e", "e2e", ["--device", "cpu", "--steps", "20"])]
+    import torch
+
+    env = os.environ.get
+    common = ["--device", "cuda", "--shape", "0.5b", "--skip", "3"]
+    common += ["--steps", env("BENCH_E2E_STEPS", "16")]
+    common += ["--staleness", env("BENCH_E2E_STALENESS", "0,1,2")]
+    if env("BENCH_E2E_RUNS"):
+        common += ["--runs-dir", env("BENCH_E2E_RUNS", "")]
+    wanted = env("BENCH_E2E_PROFILES", "h200-single,h200-x2").split(",")
+    if torch.cuda.device_count() < 2 and "h200-x2" in wanted:
+        wanted.remove("h200-x2")
+    return [
+        Job(f"e2e {name}", "e2e", ["--profile", f"profiles/{name}.toml", *common])
+        for name in wanted
     ]
 
 
@@ -76,17 +100,6 @@ def device_slug(name: str) -> str:
 
 def _module_exists(bench: str) -> bool:
     return importlib.util.find_spec(f"pipeline.bench.{bench}") is not None
-
-
-def _has_flag(bench: str, flag: str) -> bool:
-    done = subprocess.run(
-        [sys.executable, "-m", f"pipeline.bench.{bench}", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return flag in done.stdout
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -111,8 +124,6 @@ def run_job(job: Job, device: str, limit_s: float, tmp: Path) -> Outcome:
     if limit_s < MIN_USEFUL_S:
         return Outcome(job, "skipped", note=f"only {limit_s:.0f} s left of BENCH_TOTAL_S")
     args = list(job.args)
-    if job.probe_device_flag and _has_flag(job.bench, "--device"):
-        args = ["--device", device, *args]
     stem = re.sub(r"[^a-z0-9]+", "-", job.name.lower())
     json_path = tmp / f"{stem}.json"
     log_path = tmp / f"{stem}.log"

@@ -1,12 +1,18 @@
 """End to end: trained samples/s of async (staleness >= 1) against sync (staleness 0).
 
-    python -m pipeline.bench.e2e [--profile P] [--steps N] [--staleness 0,1,2] [--json OUT]
+    python -m pipeline.bench.e2e [--profile P] [--steps N] [--staleness 0,1,2]
+        [--shape 0.5b|7b|tiny] [--json OUT] [--section.key VALUE ...]
 
 Each setting is a whole `pipeline run` of the same profile and the same number of steps,
 one after the other in this run; sync (staleness 0) is the baseline. The bound is the
 slower of generation and training alone, estimated from the sync run's own spans (busy
 seconds of the rollout service and of the learner per step). The idle share of each side
 is 1 - busy / wall over the steady part of the run.
+
+`--shape` runs a randomly initialised model of that standard shape (BENCHMARKS.md) with the
+profile's task and the char-level tokenizer instead of the generated tiny model, no warm
+start: the rewards mean nothing then, the work per step (every sample runs to
+max_new_tokens) is what is measured.
 """
 
 from __future__ import annotations
@@ -69,8 +75,31 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
     }
 
 
+def shape_model(shape: str, directory: Path, device: str) -> list[str]:
+    """Save a random model of `shape` with the char tokenizer; the overrides that use it."""
+    import torch
+
+    from pipeline.bench.rollout_decode import save_random_model
+    from pipeline.data.tokenizer import save_char_tokenizer
+
+    on = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    save_random_model(shape, directory, dtype=torch.bfloat16, device=on)
+    save_char_tokenizer(directory)
+    return ["--model.path", str(directory), "--task.warm_start_steps", "0"]
+
+
+def device_label(device: str) -> str:
+    if device == "cpu":
+        from pipeline.bench.common import cpu_device
+
+        return cpu_device()
+    import torch
+
+    return torch.cuda.get_device_name(0)  # the profile (figure name) says how many are used
+
+
 def run_one(profile: str, steps: int, staleness: int, runs: Path, extra: list[str]) -> Path:
-    name = f"e2e-s{staleness}"
+    name = f"e2e-{Path(profile).stem}-s{staleness}"
     cmd = [
         sys.executable,
         "-m",
@@ -103,13 +132,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
     ap.add_argument("--staleness", default="0,1,2")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--device", default="cpu", help="label for the figures")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (labelled by GPU name)")
+    ap.add_argument("--shape", default=None, help="random model of this shape (e.g. 0.5b)")
+    ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here")
     args, extra = ap.parse_known_args(argv)
     levels = [int(x) for x in args.staleness.split(",")]
     results: dict[int, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
+        if args.shape:
+            extra = [*extra, *shape_model(args.shape, Path(tmp) / "model", args.device)]
+        runs = args.runs_dir or Path(tmp)
         for level in levels:
-            run_dir = run_one(args.profile, args.steps, level, Path(tmp), extra)
+            run_dir = run_one(args.profile, args.steps, level, runs, extra)
             results[level] = measure(run_dir, args.skip)
     sync = results.get(0)
     if sync is None:
@@ -117,7 +151,16 @@ def main(argv: list[str] | None = None) -> None:
     bound = sync["samples_per_step"] / max(
         sync["gen_busy_s_per_step"], sync["train_busy_s_per_step"]
     )
-    config = {"profile": args.profile, "steps": args.steps, "skip": args.skip, "extra": extra}
+    config = {
+        "profile": args.profile,
+        "shape": args.shape or "profile's model",
+        "steps": args.steps,
+        "skip": args.skip,
+        "extra": [x for x in extra if not x.startswith(tempfile.gettempdir())],
+    }
+    # figures of another profile than the default carry its name (h200-x2 next to h200-single)
+    stem = Path(args.profile).stem
+    suffix = "" if stem == "local-cpu" else f"_{stem}"
     figs = []
     print(f"{'staleness':>9} {'samples/s':>10} {'gen idle':>9} {'train idle':>10}")
     for level, r in results.items():
@@ -129,13 +172,13 @@ def main(argv: list[str] | None = None) -> None:
         figs.append(
             figure(
                 "e2e",
-                f"samples_per_s_staleness{level}",
+                f"samples_per_s_staleness{level}{suffix}",
                 r["samples_per_s"],
                 baseline="sync_staleness0",
                 baseline_value=sync["samples_per_s"],
                 bound=bound,
                 config=detail,
-                device=args.device,
+                device=device_label(args.device),
             )
         )
     emit(figs, args.json)

@@ -214,3 +214,30 @@ class PipelineConfig:
     def replicas(self, role: str) -> int:
         placement = self.services.get(role)
         return placement.replicas if placement else 0
+
+    def devices(self, role: str, replica: int = 0) -> list[int]:
+        """The pool devices of one replica: replica i takes the i-th slice of
+        devices_per_replica (all the pool's devices when that is 0); [] off a CUDA pool or
+        when the pool lists none. Services on one pool share its devices."""
+        placement = self.services.get(role)
+        if placement is None:
+            return []
+        pool = self.pools[placement.pool]
+        if pool.kind != "cuda" or not pool.devices:
+            return []
+        per = placement.devices_per_replica
+        if per <= 0:
+            return list(pool.devices)
+        start = (replica * per) % len(pool.devices)
+        return [pool.devices[(start + k) % len(pool.devices)] for k in range(per)]
+
+    def shares_device(self, a: str, b: str) -> bool:
+        """Whether any replica of role a and the first of role b use one GPU (CUDA IPC then)."""
+        mine = {
+            (self.services[a].pool, d) for r in range(self.replicas(a)) for d in self.devices(a, r)
+        }
+        theirs = {(self.services[b].pool, d) for d in self.devices(b, 0)}
+        hosts = {self.pools[pool].host for pool, _ in mine | theirs}
+        if len(hosts) > 1:
+            return False
+        return bool({d for _, d in mine} & {d for _, d in theirs})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from pipeline.config import PipelineConfig, load_config, parse_override_args
 
@@ -35,6 +36,14 @@ def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
     from pipeline.transport.channel import run_async
 
     args, config = service_args(role, argv)
+    pin_devices(config, role, args.replica)
     controller = args.controller or layout.controller_endpoint(config)
     run_async(serve(service_cls, controller=controller, replica=args.replica, local_config=config))  # type: ignore[arg-type]
     return 0
+
+
+def pin_devices(config: PipelineConfig, role: str, replica: int) -> None:
+    """Show this replica only its pool devices (before anything initialises CUDA)."""
+    devices = config.devices(role, replica)
+    if devices:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)

@@ -23,6 +23,8 @@ class AttentionSpec:
     """How to attend.
 
     mask: (b, 1, q, k) bool, True = may attend; None means plain causal (is_causal=True).
+    cu_seqlens/max_seqlen: packed sequences (batch 1) run through flash varlen attention
+    (CUDA, half precision) with no mask at all; set only where `varlen_supported` said so.
     cache/slots/columns/kv_len: set only on the KV-cache path; columns (b, t) are the cache
     columns to write (padding already redirected to the sink) and kv_len the columns to read.
     """
@@ -32,6 +34,8 @@ class AttentionSpec:
     slots: torch.Tensor | None = None
     columns: torch.Tensor | None = None
     kv_len: int = 0
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
 
 
 class Attention(nn.Module):
@@ -68,6 +72,14 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = apply_rope(q, cos, sin)  # (batch, seq, heads, head_dim)
         k = apply_rope(k, cos, sin)  # (batch, seq, kv_heads, head_dim)
+        if spec.cu_seqlens is not None:
+            if q.dtype in (torch.bfloat16, torch.float16):
+                out = varlen_causal(q[0], k[0], v[0], spec.cu_seqlens, spec.max_seqlen)
+                return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+            if spec.mask is None:  # fp32 on CUDA: flash has no fp32 kernel; mask once per pass
+                from pipeline.models.masks import packed_causal_mask
+
+                spec.mask = packed_causal_mask(spec.cu_seqlens, s)
         if spec.cache is not None:
             assert spec.slots is not None and spec.columns is not None
             k, v = spec.cache.update(self.layer_idx, spec.slots, spec.columns, k, v, spec.kv_len)
@@ -76,7 +88,43 @@ class Attention(nn.Module):
             k.transpose(1, 2),  # (batch, kv_heads, kv_seq, head_dim)
             v.transpose(1, 2),
             attn_mask=spec.mask,
-            is_causal=spec.mask is None and spec.cache is None,
+            is_causal=spec.mask is None and spec.cache is None and spec.cu_seqlens is None,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )  # (batch, heads, seq, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+def varlen_supported(device: torch.device) -> bool:
+    """Flash varlen attention exists for CUDA tensors (half precision; torch >= 2.9)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def varlen_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+) -> torch.Tensor:
+    """Causal attention inside each packed sequence: q (T, heads, d), k/v (T, kv_heads, d)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    extra: dict[str, object] = {}
+    if "window_size" in params:  # newer torch: causal = window (-1, 0)
+        extra["window_size"] = (-1, 0)
+    else:
+        extra["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **extra)  # (T, heads, d)

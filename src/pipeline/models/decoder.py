@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.attention import Attention, AttentionSpec
+from pipeline.models.attention import Attention, AttentionSpec, varlen_supported
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import KVCache
 from pipeline.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -111,8 +111,17 @@ class DecoderBase(nn.Module):
     ) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"packed input_ids must be (1, total), got {tuple(input_ids.shape)}")
-        mask = packed_causal_mask(cu_seqlens.to(input_ids.device), input_ids.shape[1])
-        return self.model(input_ids, position_ids, AttentionSpec(mask=mask))
+        cu = cu_seqlens.to(input_ids.device)
+        total = input_ids.shape[1]
+        if varlen_supported(input_ids.device):
+            if int(cu[-1]) < total:  # tail padding: one more sequence of its own
+                cu = torch.cat([cu, cu.new_tensor([total])])
+            longest = int((cu[1:] - cu[:-1]).max())
+            spec = AttentionSpec(cu_seqlens=cu, max_seqlen=longest)
+            return self.model(input_ids, position_ids, spec)
+        return self.model(
+            input_ids, position_ids, AttentionSpec(mask=packed_causal_mask(cu, total))
+        )
 
     def _cached(
         self,

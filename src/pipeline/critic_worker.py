@@ -38,7 +38,9 @@ class CriticWorker:
         directory = model_dir(self.config, Path(self.ctx.run_dir))
         # whitening belongs to the learner, over the whole step's batch
         algorithm = dataclasses.replace(self.config.algorithm, whiten_advantages=False)
-        self.trainer = CriticTrainer(str(directory), self.config.critic.trainer, algorithm)
+        self.trainer = await asyncio.to_thread(  # off the loop, like the learner's
+            CriticTrainer, str(directory), self.config.critic.trainer, algorithm
+        )
         self.kl_ctrl = make_kl_controller(self.config.algorithm)
 
     async def annotate(self, group: GroupArrays) -> None:

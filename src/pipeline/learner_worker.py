@@ -62,8 +62,9 @@ class LearnerWorker:
 
         torch.set_num_threads(max(1, self.config.run.torch_threads))
         directory = model_dir(self.config, Path(self.ctx.run_dir))
-        self.trainer = PolicyTrainer(
-            str(directory), trainer_config(self.config), self.config.algorithm
+        # off the event loop: loading a real model takes longer than the heartbeat timeout
+        self.trainer = await asyncio.to_thread(
+            PolicyTrainer, str(directory), trainer_config(self.config), self.config.algorithm
         )
         if latest_step(self.checkpoints) is not None:
             loaded = await asyncio.to_thread(self.trainer.load_checkpoint, self.checkpoints)

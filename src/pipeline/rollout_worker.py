@@ -146,7 +146,8 @@ async def start_engine(ctx: Any) -> EngineRunner:
     tokenizer = load_tokenizer(directory)
     device = "cuda" if config.pools[config.services["rollout"].pool].kind == "cuda" else "cpu"
     dtype = getattr(torch, config.model.dtype)
-    engine = make_engine(
+    engine = await asyncio.to_thread(  # off the loop: loading and graph capture take a while
+        make_engine,
         config.rollout.engine,
         directory,
         device=device,

@@ -56,3 +56,35 @@ async def test_handshake_then_reports_then_dead_peers_both_ways(ipc_endpoint):
     with pytest.raises(ServiceDeadError, match="silent"):
         client2.check_alive()
     await client2.close()
+
+
+async def test_a_peer_declared_dead_while_busy_is_taken_back_when_it_speaks(ipc_endpoint):
+    """A service whose loop stalled past peer_timeout_s (a model load) is not lost for good."""
+    import zmq
+
+    from pipeline import codec
+    from pipeline.messages import Heartbeat
+    from pipeline.transport.channel import make_async_socket
+
+    server = ControlServer(ipc_endpoint("ctl"), run_id="run1", config_for=answer, config=FAST)
+    server.start()
+    sock = make_async_socket(zmq.Context.instance(), zmq.DEALER, identity="slow-0")
+    sock.connect(server.endpoint)
+    await sock.send_multipart(codec.encode(hello("learner"), run_id="", sender="slow", seq=1))
+    reply = codec.decode(await asyncio.wait_for(sock.recv_multipart(copy=False), 2))
+    assert isinstance(reply.body, ConfigMsg)
+    event = await asyncio.wait_for(server.inbox.get(), 2)
+    assert isinstance(event, PeerEvent) and event.kind == "joined"
+    event = await asyncio.wait_for(server.inbox.get(), 3)  # silent past peer_timeout_s
+    assert isinstance(event, PeerEvent) and event.kind == "dead"
+    assert server.peers == {}
+    beat = Heartbeat(service="learner", policy_version=7)
+    await sock.send_multipart(codec.encode(beat, run_id="run1", sender="slow", seq=2))
+    event = await asyncio.wait_for(server.inbox.get(), 2)
+    assert isinstance(event, PeerEvent) and event.kind == "back" and event.peer.name == "learner-0"
+    answer_beat = codec.decode(await asyncio.wait_for(sock.recv_multipart(copy=False), 2))
+    assert isinstance(answer_beat.body, Heartbeat)  # answered, not rejected as "before hello"
+    assert server.stats.rejected["no_hello"] == 0
+    assert [p.policy_version for p in server.peers.values()] == [7]
+    sock.close(linger=0)
+    await server.close()

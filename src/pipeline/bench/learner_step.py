@@ -123,6 +123,8 @@ def run_ours(
         seconds, metrics = timed(step, device)
         runs.append(seconds)
     progress(f"ours (kl={kl}): {[round(x, 4) for x in runs]} s")
+    if args.torch_profile:
+        print_profile(step, device)
     if metrics.get("actor/skipped_updates", 0.0) > 0:
         raise RuntimeError(f"the trainer skipped its update (non-finite loss): {metrics}")
     # the no-grad proximal forward alone: how much of a step is not forward + backward + step
@@ -143,6 +145,20 @@ def run_ours(
         "prox_logprobs_s": round(statistics.median(prox), 5),
     }
     return runs, info
+
+
+def print_profile(step: Any, device: torch.device, rows: int = 30) -> None:
+    """One more step under torch.profiler: where the time goes (device and host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=rows), flush=True)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15), flush=True)
 
 
 def run_hf(
@@ -339,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled HF baseline")
     ap.add_argument("--kl", action="store_true", help="also time the KL-loss variant")
+    ap.add_argument("--torch-profile", action="store_true", help="print a torch.profiler table")
     ap.add_argument("--trainer-compile", action="store_true", help="trainer.compile=true")
     ap.add_argument("--padded", action="store_true", help="trainer.padding_free=false")
     ap.add_argument("--micro-tokens", type=int, default=None, help="max_tokens_per_micro_batch")

@@ -62,7 +62,7 @@ class Peer:
 class PeerEvent:
     """What the controller's inbox yields besides data messages."""
 
-    kind: str  # "joined" | "ready" | "dead"
+    kind: str  # "joined" | "ready" | "dead" | "back" (a dead-declared peer spoke again)
     peer: Peer
 
 
@@ -84,6 +84,7 @@ class ControlServer:
         self._sock = make_async_socket(self._ctx, zmq.ROUTER)
         self.endpoint = bind(self._sock, endpoint)
         self.peers: dict[bytes, Peer] = {}
+        self._departed: dict[bytes, Peer] = {}  # declared dead; back if they speak again
         # the learner's version, echoed in every heartbeat answer
         self.policy_version = 0
         self.inbox: asyncio.Queue[tuple[Peer, Any] | PeerEvent] = asyncio.Queue()
@@ -146,6 +147,11 @@ class ControlServer:
             self.inbox.put_nowait(PeerEvent("joined", peer))
             return
         peer = self.peers.get(identity)
+        if peer is None and identity in self._departed:
+            # declared dead while it was only busy (a long stall): take it back as it was
+            peer = self.peers[identity] = self._departed.pop(identity)
+            self.log.warning("peer_back", peer=peer.name)
+            self.inbox.put_nowait(PeerEvent("back", peer))
         if peer is None:
             self.stats.rejected["no_hello"] += 1
             self.log.error("message_before_hello", type=msg.type.name)
@@ -170,6 +176,7 @@ class ControlServer:
             for identity, peer in list(self.peers.items()):
                 if now - peer.last_seen > self.config.peer_timeout_s:
                     del self.peers[identity]
+                    self._departed[identity] = peer
                     self.stats.dead_peers += 1
                     self.log.warning(
                         "peer_dead", peer=peer.name, silent_s=round(now - peer.last_seen, 1)

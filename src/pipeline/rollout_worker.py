@@ -155,5 +155,10 @@ async def start_engine(ctx: Any) -> EngineRunner:
         max_batch=config.rollout.max_batch,
         max_seq_len=config.task.max_prompt_tokens + config.rollout.max_new_tokens + 1,
         seed=config.run.seed + ctx.replica,
+        **(
+            {"use_cuda_graphs": config.rollout.cuda_graphs}
+            if config.rollout.engine == "torch" and device == "cuda"
+            else {}
+        ),
     )
     return EngineRunner(engine, tokenizer, asyncio.get_running_loop())

@@ -18,6 +18,9 @@ class RolloutService(Service):
     concurrency = 8
 
     async def setup(self) -> None:
+        # enough prompts in flight to fill the engine's batch (continuous batching)
+        rollout = self.config.rollout
+        self.concurrency = max(self.concurrency, rollout.max_batch // max(1, rollout.n_samples))
         self.engine: Any = None
         self.receiver: Any = None
         if not self.config.run.standin:

@@ -108,6 +108,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_batch: int = 64
+    # the built-in engine replays decode steps as CUDA graphs (on a GPU; ignored on CPU)
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         if self.n_samples < 1:

@@ -52,3 +52,7 @@ class MetadataRejected(PipelineError):
 
 class RecordingError(PipelineError):
     """A recorded queue file is truncated, corrupt or of another schema version."""
+
+
+class InsecureEndpoint(ConfigError):
+    """A non-loopback address without CURVE keys (and run.allow_insecure not set)."""

@@ -28,6 +28,9 @@ class RunConfig:
     standin: bool = False
     # torch threads per service process (several services share a CPU host)
     torch_threads: int = 1
+    # CURVE keys made by `pipeline keys DIR`: every non-loopback socket is authenticated
+    # and encrypted with them; binding a non-loopback address without keys is refused
+    keys_dir: str = ""
     # allow binding a non-loopback address without CURVE keys (never in production)
     allow_insecure: bool = False
 
@@ -178,6 +181,7 @@ class PipelineConfig:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     def validate(self) -> None:
+        self._validate_security()
         unknown = sorted(set(self.services) - set(ROLES))
         if unknown:
             raise ConfigError(f"services names unknown roles {unknown}; known roles: {list(ROLES)}")
@@ -212,6 +216,22 @@ class PipelineConfig:
             )
         if self.algorithm.advantage_estimator in ("grpo", "rloo") and self.rollout.n_samples < 2:
             raise ConfigError("group baselines need rollout.n_samples >= 2")
+
+    def _validate_security(self) -> None:
+        if self.run.transport != "tcp" or self.run.keys_dir or self.run.allow_insecure:
+            return
+        from pipeline.transport.channel import is_loopback
+
+        hosts = {self.run.host} | {
+            self.pools[p.pool].host for p in self.services.values() if p.pool in self.pools
+        }
+        open_hosts = sorted(h for h in hosts if not is_loopback(f"tcp://{h}:1"))
+        if open_hosts:
+            raise ConfigError(
+                f"transport tcp on non-loopback hosts {open_hosts} needs CURVE keys: run "
+                "`pipeline keys DIR` and set run.keys_dir = DIR (or run.allow_insecure = true "
+                "on a trusted network)"
+            )
 
     def replicas(self, role: str) -> int:
         placement = self.services.get(role)

@@ -26,6 +26,9 @@ def service_args(role: str, argv: list[str] | None) -> tuple[argparse.Namespace,
     parser = service_parser(role)
     args, rest = parser.parse_known_args(argv)
     config = load_config(args.profile, parse_override_args(rest))
+    from pipeline.transport.security import configure
+
+    configure(config.run.keys_dir or None, config.run.allow_insecure)
     return args, config
 
 

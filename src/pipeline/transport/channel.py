@@ -18,6 +18,7 @@ import zmq.asyncio
 from pipeline.codec import Limits
 from pipeline.errors import ConfigError
 from pipeline.transport.aiosock import AsyncSocket
+from pipeline.transport.security import secure_bind, secure_connect
 
 T = TypeVar("T")
 
@@ -115,8 +116,15 @@ def bind(sock: Any, endpoint: str) -> str:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.exists(path):
             os.unlink(path)  # a stale socket file from a dead incarnation
+    secure_bind(sock, endpoint, loopback=is_loopback(endpoint))
     sock.bind(endpoint)
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def connect(sock: Any, endpoint: str) -> None:
+    """Connect; a non-loopback endpoint goes through CURVE when the run has keys."""
+    secure_connect(sock, endpoint, loopback=is_loopback(endpoint))
+    sock.connect(endpoint)
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:

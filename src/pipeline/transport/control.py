@@ -25,6 +25,7 @@ from pipeline.transport.channel import (
     ChannelStats,
     bind,
     cancel_and_wait,
+    connect,
     guarded,
     make_async_socket,
     new_identity,
@@ -201,7 +202,7 @@ class ControlClient:
         self.identity = new_identity(f"{service}-{replica}")
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock = make_async_socket(self._ctx, zmq.DEALER, identity=self.identity)
-        self._sock.connect(endpoint)
+        connect(self._sock, endpoint)
         self.run_id = ""
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()
         self.stats = ChannelStats()

@@ -25,6 +25,7 @@ from pipeline.transport.channel import (
     ChannelConfig,
     ChannelStats,
     cancel_and_wait,
+    connect,
     make_async_socket,
     new_identity,
 )
@@ -96,7 +97,7 @@ class QueueClient:
 
     def _add(self, endpoint: str) -> _Producer:
         sock = make_async_socket(self._ctx, zmq.DEALER, identity=self.identity)
-        sock.connect(endpoint)
+        connect(sock, endpoint)
         producer = _Producer(endpoint=endpoint, sock=sock)
         self._producers.append(producer)
         return producer

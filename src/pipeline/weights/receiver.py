@@ -32,7 +32,7 @@ from torch import nn
 from pipeline.errors import MetadataRejected
 from pipeline.log import get_logger
 from pipeline.messages import Hello, Shutdown, WeightDone, WeightMeta
-from pipeline.transport.channel import new_identity
+from pipeline.transport.channel import connect, new_identity
 from pipeline.weights.apply import ApplyFn
 from pipeline.weights.config import GroupOptions, SyncTimeouts
 from pipeline.weights.cuda_ipc import open_handle
@@ -108,7 +108,7 @@ class WeightReceiver:
         self.link = Link(
             self.ctx, zmq.DEALER, sender=name, run_id=run_id, identity=new_identity(name)
         )
-        self.link.sock.connect(endpoint)
+        connect(self.link.sock, endpoint)
         self.group: WeightGroup | None = None
         self.assign: GroupAssign | None = None  # the latest group assignment
         self._stores: dict[tuple[str, int], Any] = {}

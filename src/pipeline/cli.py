@@ -1,4 +1,4 @@
-"""`pipeline`: run, service, inspect, replay, report. Heavy modules load only when used."""
+"""`pipeline`: run, service, inspect, replay, report, keys. Heavy modules load only when used."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
 
     rpt = sub.add_parser("report", help="plots and a Perfetto trace of a run")
     rpt.add_argument("run")
+
+    keys = sub.add_parser("keys", help="make CURVE keys for non-loopback transport")
+    keys.add_argument("dir", help="where the key files go (then set run.keys_dir = DIR)")
     return parser
 
 
@@ -66,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.commands.replay import replay_command
 
         return replay_command(args)
+    if args.command == "keys":
+        from pipeline.transport.security import make_keys
+
+        out = make_keys(args.dir)
+        print(f"CURVE keys in {out}: copy the directory to every host, set run.keys_dir")
+        return 0
     if args.command == "report":
         from pipeline.commands.report import report_command
 

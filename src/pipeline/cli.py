@@ -1,4 +1,4 @@
-"""`pipeline`: run, service, inspect, replay, report, keys. Heavy modules load only when used."""
+"""`pipeline`: run, service, inspect, replay, report, keys, deploy. Heavy imports are lazy."""
 
 from __future__ import annotations
 
@@ -43,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser("keys", help="make CURVE keys for non-loopback transport")
     keys.add_argument("dir", help="where the key files go (then set run.keys_dir = DIR)")
+
+    dep = sub.add_parser("deploy", help="deployment files of a profile (Slurm, Kubernetes)")
+    dep_sub = dep.add_subparsers(dest="deploy_command", required=True)
+    dep_render = dep_sub.add_parser("render", help="write a Slurm job or Kubernetes manifests")
+    dep_render.add_argument("--profile", required=True)
+    dep_render.add_argument("--target", required=True, choices=("slurm", "k8s"))
+    dep_render.add_argument("--out", default=None, help="folder (default: deploy/<profile>/)")
     return parser
 
 
@@ -75,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         out = make_keys(args.dir)
         print(f"CURVE keys in {out}: copy the directory to every host, set run.keys_dir")
         return 0
+    if args.command == "deploy":
+        from pipeline.commands.deploy import deploy_command
+
+        return deploy_command(args)
     if args.command == "report":
         from pipeline.commands.report import report_command
 

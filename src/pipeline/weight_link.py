@@ -46,10 +46,38 @@ class LearnerWeights:
 
         self.ctx = ctx
         self.replicas = ctx.config.replicas("rollout")
-        self.hub = WeightHub(endpoint=hub_endpoint(ctx.config), run_id=ctx.run_id)
+        config = ctx.config
+        # the rendezvous store listens where the engines can reach it: the learner's host
+        store_host = "127.0.0.1"
+        if config.run.transport == "tcp":
+            store_host = config.pools[config.services["learner"].pool].host
+        self.hub = WeightHub(
+            endpoint=hub_endpoint(config), store_host=store_host, run_id=ctx.run_id
+        )
         self.publisher = WeightPublisher(model, hub=self.hub, config=publish_config(ctx.config))
+        self.version = ctx.policy_version  # the version the engines should serve
+        self._lock = asyncio.Lock()  # one user of the hub's socket at a time
+        self._watch = asyncio.get_running_loop().create_task(self._watch_members())
+
+    async def _watch_members(self, every_s: float = 1.0) -> None:
+        """An engine that (re)registers between steps gets the current weights now, not at
+        the next step: a restarted engine would otherwise generate with its initial weights
+        and every sample would be dropped as stale, so no step would ever come."""
+        while True:
+            await asyncio.sleep(every_s)
+            async with self._lock:
+                await asyncio.to_thread(self.hub.poll, 0.0)
+                joined = self.hub.changed and bool(self.hub.members)
+            if joined:
+                log.info("engines_changed", engines=self.hub.names(), version=self.version)
+                await self.publish(self.version)
 
     async def publish(self, version: int) -> dict[str, float]:
+        async with self._lock:
+            self.version = version
+            return await self._publish(version)
+
+    async def _publish(self, version: int) -> dict[str, float]:
         from pipeline.errors import WeightSyncError
 
         try:
@@ -69,6 +97,9 @@ class LearnerWeights:
         log.info("engines_registered", engines=names)
 
     async def close(self) -> None:
+        self._watch.cancel()
+        async with self._lock:
+            pass  # a publish in flight finishes first
         self.publisher.close()
         self.hub.close()
 

@@ -1,7 +1,8 @@
 """Learner: collects a step's groups, drops the too-stale, trains, reports the step.
 
-It is the sink of the data plane: it acknowledges a group only once the step that used
-it (or dropped it) is done, so a learner that dies before that loses nothing.
+It is the sink of the data plane: it acknowledges a group only once the step that used it
+is done, so a learner that dies before that loses nothing; a group dropped as too stale is
+acknowledged as soon as the controller has been told (it is settled then).
 """
 
 from __future__ import annotations
@@ -72,10 +73,14 @@ class LearnerService(Service):
             group = read_group(delivery.message)
             if staleness(group, self.version) > bound:
                 stale.append((delivery, group))
-                # tell the controller now, so it releases replacements for this step
+                # tell the controller now, so it releases replacements for this step, and
+                # acknowledge now: the controller has counted it as dropped, and holding it
+                # would keep its prompt in flight (a stall once max_inflight_prompts of
+                # stale groups pile up, e.g. behind an engine that restarted)
                 await self.ctx.control.send(
                     Dropped(uids=[s.uid for s in group.samples], policy_version=self.version)
                 )
+                delivery.ack()
             else:
                 fresh.append((delivery, group))
         return fresh, stale
@@ -115,7 +120,7 @@ class LearnerService(Service):
                 )
             )
             await self.report(self.step - 1, metrics)
-            for delivery, _ in [*fresh, *stale]:
+            for delivery, _ in fresh:
                 delivery.ack()
 
     async def replay(self, messages: list[codec.Message], run_dir: Path) -> list[Output]:

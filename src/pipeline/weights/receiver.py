@@ -52,6 +52,8 @@ from pipeline.weights.wire import (
     SyncGo,
 )
 
+HELLO_EVERY_S = 2.0  # an idle receiver re-registers this often
+
 log = get_logger("weights.receiver")
 # (version, bucket, number of buckets) after a bucket landed: progress metrics, tests
 OnBucket = Callable[[int, int, int], None]
@@ -148,12 +150,19 @@ class WeightReceiver:
         """Handle control messages in the calling thread until `done()` or stop/timeout;
         whether `done()` held (for engines that drive the receiver from their own loop)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last_hello = time.monotonic()
         while not self._stop.is_set() and not done():
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 return False
             rcv = self._requeued.popleft() if self._requeued else self.link.recv(0.1)
             if rcv is not None:
                 self.handle(rcv)
+            elif now - last_hello > HELLO_EVERY_S:
+                # idle: say hello again; the hub ignores a repeat, but a restarted learner
+                # (a new hub that never heard of us) registers us and sends current weights
+                self.register()
+                last_hello = now
         return done()
 
     def close(self) -> None:

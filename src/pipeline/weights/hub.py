@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pipeline.log import get_logger
-from pipeline.messages import Hello
+from pipeline.messages import Hello, Shutdown
 from pipeline.transport.channel import bind
 from pipeline.weights.group import StoreHost
 from pipeline.weights.wire import Dropped, Link, Received
@@ -95,6 +95,17 @@ class WeightHub:
                 return
             if isinstance(rcv.message.body, Hello):
                 self._register(rcv)
+            elif isinstance(rcv.message.body, Shutdown):
+                self._leave(rcv)
+
+    def _leave(self, rcv: Received) -> str | None:
+        """An engine said goodbye: forget it (the next publish rebuilds the group)."""
+        name = self._name_of(rcv.identity)
+        if name is not None:
+            del self.members[name]
+            self.changed = True
+            log.info("engine_left", engine=name)
+        return name
 
     def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
         deadline = time.monotonic() + timeout_s
@@ -119,6 +130,8 @@ class WeightHub:
             return None
         if isinstance(rcv.message.body, Hello):
             return self._register(rcv), rcv
+        if isinstance(rcv.message.body, Shutdown):
+            return self._leave(rcv), rcv
         return self._name_of(rcv.identity), rcv
 
     def unread(self, replies: list[tuple[str | None, Received]]) -> None:
@@ -141,6 +154,9 @@ class WeightHub:
             if got is None:
                 continue
             name, rcv = got
+            if isinstance(rcv.message.body, Shutdown):
+                waiting.discard(name)  # it left: nothing more to wait for
+                continue
             if name in waiting and on_reply(name, rcv):
                 waiting.discard(name)
                 answered.add(name)

@@ -16,6 +16,7 @@ serving and answers WeightDone(ok=False, error="<phase>: ...").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -167,6 +168,8 @@ class WeightReceiver:
 
     def close(self) -> None:
         self._close_group()
+        with contextlib.suppress(Exception):  # goodbye: the learner stops waiting for us
+            self.link.send(Shutdown(reason=f"{self.name} leaving"))
         self.link.close()
         self.ctx.term()
 

@@ -22,7 +22,8 @@ from pipeline.messages import ConfigMsg, MsgType
 from pipeline.transport.channel import make_socket
 
 CONTROL_TAG = "weights-control"
-TO_LEARNER = frozenset({MsgType.HELLO, MsgType.WEIGHT_DONE, MsgType.CONFIG})
+# an engine's Shutdown tells the learner it is leaving (no weights for it any more)
+TO_LEARNER = frozenset({MsgType.HELLO, MsgType.WEIGHT_DONE, MsgType.CONFIG, MsgType.SHUTDOWN})
 TO_ENGINE = frozenset({MsgType.CONFIG, MsgType.WEIGHT_META, MsgType.SHUTDOWN})
 
 

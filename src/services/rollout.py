@@ -13,14 +13,22 @@ from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, SampleArrays, write_group
 
 
+def prompts_in_flight(config: Any) -> int:
+    """rollout.prompts_in_flight, or by default: fill max_batch on a GPU, 8 on a CPU."""
+    rollout = config.rollout
+    if rollout.prompts_in_flight > 0:
+        return int(rollout.prompts_in_flight)
+    if config.pools[config.services["rollout"].pool].kind == "cuda":
+        return max(1, rollout.max_batch // max(1, rollout.n_samples))
+    return 8
+
+
 class RolloutService(Service):
     role = "rollout"
     concurrency = 8
 
     async def setup(self) -> None:
-        # enough prompts in flight to fill the engine's batch (continuous batching)
-        rollout = self.config.rollout
-        self.concurrency = max(self.concurrency, rollout.max_batch // max(1, rollout.n_samples))
+        self.concurrency = prompts_in_flight(self.config)
         self.engine: Any = None
         self.receiver: Any = None
         if not self.config.run.standin:

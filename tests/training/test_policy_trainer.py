@@ -112,3 +112,29 @@ def test_missing_advantages_or_reference_raise_errors_that_name_the_fix(model_di
         trainer.train_step(make_batch(seed=0, advantages=False))
     with pytest.raises(ConfigError, match="keep_reference"):
         trainer.ref_logprobs(make_batch(seed=0))
+
+
+def test_fused_proximal_forward_gives_the_update_of_a_separate_one(tmp_path):
+    """One optimizer step per update: the training forward's detached log-probs are the
+    proximal log-probs, so skipping the separate no-grad forward changes nothing but time."""
+    from pipeline.algorithms import AlgorithmConfig
+    from pipeline.training import PolicyTrainer, TrainerConfig
+
+    from ._helpers import make_batch, save_tiny_model, state_of
+
+    model_dir = save_tiny_model(tmp_path / "m")
+    algorithm = AlgorithmConfig(use_kl_loss=True, entropy_coef=0.01, is_cap=1.5)
+    base = TrainerConfig(lr=1e-2, max_tokens_per_micro_batch=40)
+    results = {}
+    for fused in (True, False):
+        trainer = PolicyTrainer(model_dir, base.replace(fuse_proximal=fused), algorithm)
+        metrics = [trainer.train_step(make_batch(seed=s)) for s in (1, 2)]
+        results[fused] = (state_of(trainer.model), metrics)
+    (w_fused, m_fused), (w_sep, m_sep) = results[True], results[False]
+    for name, tensor in w_sep.items():
+        torch.testing.assert_close(w_fused[name], tensor, rtol=1e-5, atol=1e-6)
+    for a, b in zip(m_fused, m_sep, strict=True):
+        for key in ("actor/pg_loss", "mismatch/kl", "mismatch/mean_abs_diff", "kl/k3",
+                    "actor/is_weight_mean", "mismatch/truncated_frac"):  # fmt: skip
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert m_fused[0]["mismatch/kl"] > 0  # behaviour log-probs differ: not a trivial pass

@@ -44,6 +44,9 @@ class TrainerConfig:
     # batching
     ppo_epochs: int = 1
     mini_batches: int = 1
+    # with one optimizer step per update (1 epoch, 1 mini-batch) the proximal policy is the
+    # training forward itself: take its log-probs (detached) instead of a separate forward
+    fuse_proximal: bool = True
     max_tokens_per_micro_batch: int = 4096
     infer_max_tokens_per_micro_batch: int = 0  # no-grad forwards; 0: same as training
     padding_free: bool = True

@@ -170,7 +170,8 @@ class PolicyTrainer:
                 )
             batch = group_advantages(batch, alg)
         mask = batch.response_mask
-        prox = self.compute_logprobs(batch)  # (n, R)
+        cfg = self.config
+        fused = cfg.fuse_proximal and cfg.ppo_epochs == 1 and cfg.mini_batches == 1
         ref = batch.ref_logprobs
         if ref is None and self.reference is not None:
             ref = self.ref_logprobs(batch)
@@ -179,21 +180,25 @@ class PolicyTrainer:
                 "algorithm.use_kl_loss needs reference log-probs: put ref_logprobs on the batch "
                 "or keep a reference model (trainer.keep_reference)"
             )
-        is_w = truncated_is_weights(
-            prox, batch.behaviour_logprobs, mask, cap=alg.is_cap, level=alg.is_level
-        )  # (n, R)
         micro_keys = [*_MICRO_KEYS, *(["actor/kl_loss"] if alg.use_kl_loss else [])]
         kl_keys = list(_KL_KEYS) if ref is not None else []
         sums = MetricSums(
             [*micro_keys, *_BATCH_KEYS, *kl_keys], ["mismatch/max_abs_diff"], self.info.device
         )
-        self._batch_metrics(sums, batch, prox, ref, is_w)
+        self._batch_counts(sums, batch)
+        prox = is_w = None  # fused: each micro-batch takes them from its own forward
+        if not fused:
+            prox = self.compute_logprobs(batch)  # (n, R)
+            is_w = truncated_is_weights(
+                prox, batch.behaviour_logprobs, mask, cap=alg.is_cap, level=alg.is_level
+            )  # (n, R)
+            self._token_metrics(sums, mask, batch.behaviour_logprobs, prox, ref, is_w)
         inputs = {"prox": prox, "is_w": is_w, "ref": ref, "adv": batch.advantages}
 
         def micro_loss(
             dev: MicroBatch, host: MicroBatch
         ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
-            return self._micro_loss(dev, host, batch, inputs)
+            return self._micro_loss(dev, host, batch, inputs, sums)
 
         stats = self.engine.run_epochs(batch, alg.loss_agg_mode, micro_loss, sums)
         sums.add("perf/tokens", float(stats.local_tokens))
@@ -207,6 +212,7 @@ class PolicyTrainer:
         host: MicroBatch,
         batch: ExperienceBatch,
         inputs: dict[str, Tensor | None],
+        sums: MetricSums,
     ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
         cfg, alg = self.config, self.algorithm
         logp, entropy, anchor = micro_logprobs(
@@ -225,16 +231,29 @@ class PolicyTrainer:
             return host.fields(t).to(self.info.device)
 
         mask = take(batch.response_mask)  # (m, r)
+        if inputs["prox"] is None:
+            # one optimizer step per update: the weights of this forward are the proximal
+            # policy, so its detached log-probs are the proximal log-probs (the ratio is 1
+            # with the right gradient), and the mismatch metrics come from them too
+            prox = logp.detach().float()  # (m, r)
+            behaviour = take(batch.behaviour_logprobs)
+            is_w = truncated_is_weights(
+                prox, behaviour, mask, cap=alg.is_cap, level=alg.is_level
+            )  # (m, r)
+            ref = take(inputs["ref"]) if inputs["ref"] is not None else None
+            self._token_metrics(sums, mask, behaviour, prox, ref, is_w)
+        else:
+            prox, is_w = take(inputs["prox"]), take(inputs["is_w"])
         pg_loss, pg_metrics = ppo_policy_loss(
             logp,
-            take(inputs["prox"]),
+            prox,
             take(inputs["adv"]),
             mask,
             clip_ratio_low=alg.clip_ratio_low,
             clip_ratio_high=alg.clip_ratio_high,
             clip_ratio_c=alg.clip_ratio_c,
             loss_agg_mode=alg.loss_agg_mode,
-            is_weights=take(inputs["is_w"]),
+            is_weights=is_w,
         )
         entropy_mean = agg_loss(entropy, mask, alg.loss_agg_mode)
         loss = pg_loss
@@ -260,25 +279,27 @@ class PolicyTrainer:
         metrics["actor/loss"] = loss.detach()
         return loss, anchor, metrics
 
+    @staticmethod
+    def _batch_counts(sums: MetricSums, batch: ExperienceBatch) -> None:
+        sums.add("batch/samples", float(batch.num_samples))
+        sums.add("batch/response_tokens", float(batch.response_mask.sum()))
+        sums.add("batch/score_sum", batch.scores.double().sum())
+
     @torch.no_grad()
-    def _batch_metrics(
+    def _token_metrics(
         self,
         sums: MetricSums,
-        batch: ExperienceBatch,
+        mask: Tensor,
+        behaviour: Tensor,
         prox: Tensor,
         ref: Tensor | None,
         is_w: Tensor,
     ) -> None:
-        """Token sums of the sampler/learner mismatch and of the KL to the reference."""
+        """Token sums of the sampler/learner mismatch and of the KL to the reference (over
+        the whole batch, or one micro-batch at a time when the proximal forward is fused)."""
         alg = self.algorithm
-        mask = batch.response_mask
-        tokens = float(mask.sum())
-        sums.add("batch/samples", float(batch.num_samples))
-        sums.add("batch/response_tokens", tokens)
-        sums.add("batch/score_sum", batch.scores.double().sum())
-        mm = mismatch_metrics(
-            prox, batch.behaviour_logprobs, mask, cap=alg.is_cap, level=alg.is_level
-        )
+        tokens = mask.sum().double()
+        mm = mismatch_metrics(prox, behaviour, mask, cap=alg.is_cap, level=alg.is_level)
         sums.add("mismatch/kl", mm.kl * tokens)
         sums.add("mismatch/mean_abs_diff", mm.mean_abs_diff * tokens)
         sums.add("mismatch/truncated_frac", mm.truncated_frac * tokens)

@@ -88,21 +88,16 @@ def test_vllm_weight_update_changes_outputs_and_versions(vllm_engine, model_dir)
     assert before.output_ids == old_ids
     assert before.token_versions == [0] * 6
 
-    vllm_engine.update_weights(state.items(), version=1)
-    (out,) = vllm_engine.generate([GenerationRequest("u1", prompt, greedy)])
-    assert vllm_engine.version == 1
-    assert out.token_versions == [1] * 6
-    assert out.output_ids == new_ids
-    torch.testing.assert_close(
-        torch.tensor(out.logprobs), full_forward_logprobs(new, out), atol=1e-3, rtol=0
-    )
+    def update_then_generate(model, version: int, expected_ids) -> None:
+        vllm_engine.update_weights(model.state_dict().items(), version=version)
+        (out,) = vllm_engine.generate([GenerationRequest(f"u{version}", prompt, greedy)])
+        assert vllm_engine.version == version
+        assert out.token_versions == [version] * 6
+        assert out.output_ids == expected_ids
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs), full_forward_logprobs(model, out), atol=1e-3, rtol=0
+        )
 
+    update_then_generate(new, 1, new_ids)
     # a second update (back to the first policy) goes through the same in-place reload
-    vllm_engine.update_weights(native.state_dict().items(), version=2)
-    (back,) = vllm_engine.generate([GenerationRequest("u2", prompt, greedy)])
-    assert vllm_engine.version == 2
-    assert back.token_versions == [2] * 6
-    assert back.output_ids == old_ids
-    torch.testing.assert_close(
-        torch.tensor(back.logprobs), full_forward_logprobs(native, back), atol=1e-3, rtol=0
-    )
+    update_then_generate(native, 2, old_ids)

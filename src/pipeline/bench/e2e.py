@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         "shape": args.shape or "profile's model",
         "steps": args.steps,
         "skip": args.skip,
-        "extra": [x for x in extra if not x.startswith(tempfile.gettempdir())],
+        "extra": " ".join(extra).replace(str(Path(tempfile.gettempdir())), "$TMP"),
     }
     # figures of another profile than the default carry its name (h200-x2 next to h200-single)
     stem = Path(args.profile).stem

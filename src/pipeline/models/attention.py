@@ -7,6 +7,7 @@ checkpointing and torch.compile all wrap the same way.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -109,18 +110,12 @@ def varlen_causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
 ) -> torch.Tensor:
     """Causal attention inside each packed sequence: q (T, heads, d), k/v (T, kv_heads, d)."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    extra: dict[str, object] = {}
-    if "window_size" in params:  # newer torch: causal = window (-1, 0)
-        extra["window_size"] = (-1, 0)
-    else:
-        extra["is_causal"] = True
+    causal, native_gqa = _varlen_options()
+    extra: dict[str, object] = dict(causal)
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
+        if native_gqa:
             extra["enable_gqa"] = True
         else:
             group = q.shape[1] // k.shape[1]
@@ -128,3 +123,18 @@ def varlen_causal(
             v = v.repeat_interleave(group, dim=1)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **extra)  # (T, heads, d)
+
+
+@functools.cache
+def _varlen_options() -> tuple[dict[str, object], bool]:
+    """How this torch's varlen_attn says "causal", and whether it takes GQA as is (read
+    once: the signature changed between releases)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal: dict[str, object] = (
+        {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    )
+    return causal, "enable_gqa" in params

@@ -4,11 +4,13 @@
         [--batch 16] [--seq 512] [--prompt 128] [--steps 5] [--warmup 2] [--json OUT]
 
 A random-weight model of the shape is saved once with `save_model`; `PolicyTrainer` loads it
-as the trainer always does (fp32 master weights, bf16 autocast on CUDA, packed micro-batches,
-chunked log-probs, grad clipping, AdamW) with no reference model and no KL loss, and runs
-`train_step` on a fixed synthetic batch of `--batch` samples of `--prompt` prompt +
-`--seq - --prompt` response tokens. One step is the whole update: the no-grad proximal
-log-prob forward, then forward + backward + optimizer step over every token. Each step is
+as the trainer always does (fp32 master weights with bf16 compute copies on CUDA, packed
+micro-batches, fused chunked log-probs, grad clipping, AdamW), with the batching and compile
+knobs of `--profile` (on CUDA profiles/h200-single.toml), no reference model and no KL loss,
+and runs `train_step` on a fixed synthetic batch of `--batch` samples of `--prompt` prompt +
+`--seq - --prompt` response tokens. One step is the whole update: forward + backward +
+optimizer step over every token (with one optimizer step per update the proximal log-probs
+come from that forward, `trainer.fuse_proximal`). Each step is
 timed with the device drained before and after, after `--warmup` untimed steps; the median of
 `--steps` is reported. tokens = batch * seq per step (every token goes through backward).
 In the same run:
@@ -77,18 +79,34 @@ def synthetic_batch(
     return experience, ids
 
 
+# how a batch is pushed through the model, taken from the profile's [learner.trainer]
+PROFILE_KNOBS = ("compile", "padding_free", "max_tokens_per_micro_batch", "logprob_chunk_tokens")
+
+
+def profile_knobs(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    from pipeline.config.profile import read_profile
+
+    trainer = read_profile(path).get("learner", {}).get("trainer", {})
+    return {k: trainer[k] for k in PROFILE_KNOBS if k in trainer}
+
+
 def trainer_config(args: argparse.Namespace, peak: float, *, kl: bool) -> Any:
     from pipeline.training import TrainerConfig
 
     fields: dict[str, Any] = {
+        **profile_knobs(args.profile),
         "lr": 1e-6,
         "device": args.device,
         "param_dtype": "bfloat16" if args.device == "cuda" else "float32",
         "keep_reference": kl,
         "peak_flops": peak,
-        "compile": args.trainer_compile,
-        "padding_free": not args.padded,
     }
+    if args.trainer_compile is not None:
+        fields["compile"] = args.trainer_compile
+    if args.padded:
+        fields["padding_free"] = False
     if args.micro_tokens:
         fields["max_tokens_per_micro_batch"] = args.micro_tokens
     if args.chunk_tokens:
@@ -132,6 +150,7 @@ def run_ours(
     info = {
         "params": trainer.engine.num_params,
         "trainer": {
+            "profile": str(args.profile) if args.profile else None,
             "param_dtype": config.param_dtype,
             "max_tokens_per_micro_batch": config.max_tokens_per_micro_batch,
             "padding_free": config.padding_free,
@@ -356,13 +375,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled HF baseline")
     ap.add_argument("--kl", action="store_true", help="also time the KL-loss variant")
     ap.add_argument("--torch-profile", action="store_true", help="print a torch.profiler table")
-    ap.add_argument("--trainer-compile", action="store_true", help="trainer.compile=true")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="take the trainer's batching/compile knobs from this profile's [learner.trainer] "
+        "(default on cuda: profiles/h200-single.toml; on cpu: none)",
+    )
+    ap.add_argument(
+        "--trainer-compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="override trainer.compile",
+    )
     ap.add_argument("--padded", action="store_true", help="trainer.padding_free=false")
     ap.add_argument("--micro-tokens", type=int, default=None, help="max_tokens_per_micro_batch")
     ap.add_argument("--chunk-tokens", type=int, default=None, help="logprob_chunk_tokens")
     args = ap.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.profile is None and args.device == "cuda":
+        args.profile = Path(__file__).resolve().parents[3] / "profiles" / "h200-single.toml"
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -31,7 +31,7 @@ from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint
 from pipeline.training.config import TrainerConfig
 from pipeline.training.distributed import DistInfo, all_reduce_ints, current_dist_info
-from pipeline.training.engine import TrainEngine, autocast_for, perf_metrics
+from pipeline.training.engine import TrainEngine, perf_metrics
 from pipeline.training.errors import BatchError
 from pipeline.training.forward import micro_values
 from pipeline.training.metrics import MetricSums
@@ -81,15 +81,16 @@ class CriticTrainer:
         """V(prompt + response[:t]) for each response token t, (n, R) float32, 0 if masked."""
         cfg = self.config
         out = torch.zeros(batch.num_samples, batch.max_response_len)  # (n, R)
-        for mb in plan_forward(
+        plan = plan_forward(
             batch, cfg.infer_tokens, padding_free=cfg.padding_free, reduce=all_reduce_ints
-        ):
-            with autocast_for(cfg, self.info):
+        )
+        with self.engine.compute_weights():
+            for mb in plan:
                 values, _ = micro_values(self.model, mb.to(self.info.device))
-            if mb.is_empty:
-                continue
-            mask = mb.fields(batch.response_mask)
-            out[mb.sample_indices, : mb.width] = torch.where(mask, values.float().cpu(), 0.0)
+                if mb.is_empty:
+                    continue
+                mask = mb.fields(batch.response_mask)
+                out[mb.sample_indices, : mb.width] = torch.where(mask, values.float().cpu(), 0.0)
         return out
 
     @torch.no_grad()

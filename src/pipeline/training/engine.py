@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from pipeline.training.export import export_hf
 from pipeline.training.metrics import MetricSums
 from pipeline.training.micro_batching import MicroBatch, plan_step
 from pipeline.training.optim import build_optimizer, build_scheduler, clip_grad_norm
+from pipeline.training.precision import ComputeWeights
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,16 @@ class EpochStats:
 def place_model(
     model: DecoderBase, config: TrainerConfig, info: DistInfo, *, trainable: bool
 ) -> DecoderBase:
-    """Move to the device in float32 (master weights) and shard with FSDP2 when distributed.
+    """Move to the device and shard with FSDP2 when distributed.
 
-    Under FSDP the compute dtype comes from the mixed-precision policy; a single process
-    uses autocast instead (see TrainEngine.autocast). A frozen model gets no gradients.
+    Trainable models stay float32 (master weights): FSDP's mixed-precision policy casts them
+    when sharded, `ComputeWeights` swaps in compute copies in a single process. A frozen
+    model gets no gradients and, in a single process, is simply stored in the compute dtype.
     """
-    model = model.to(device=info.device, dtype=torch.float32)
+    single_dtype = torch.float32
+    if not trainable and not is_distributed():
+        single_dtype = config.compute_dtype(info.device)
+    model = model.to(device=info.device, dtype=single_dtype)
     if isinstance(model, CausalLM):
         model.tie_weights()  # a conversion may have replaced the shared parameter
     if not trainable:
@@ -85,21 +90,9 @@ def place_model(
     else:
         for block in model.model.layers:
             block.activation_checkpointing = config.activation_checkpointing and trainable  # type: ignore[union-attr]
-        if config.compile:
-            for block in model.model.layers:
-                block.compile()
+        if config.compile:  # one compiled region for the whole trunk: less host overhead
+            model.model.compile()
     return model
-
-
-@contextlib.contextmanager
-def autocast_for(config: TrainerConfig, info: DistInfo) -> Iterator[None]:
-    """Low-precision compute for a single unsharded process (FSDP casts by itself)."""
-    dtype = config.compute_dtype(info.device)
-    if is_distributed() or dtype == torch.float32:
-        yield
-        return
-    with torch.autocast(device_type=info.device.type, dtype=dtype):
-        yield
 
 
 class TrainEngine:
@@ -114,14 +107,22 @@ class TrainEngine:
         self.log = get_logger(f"training.{name}", rank=info.rank)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = place_model(model, config, info, trainable=True)
+        dtype = config.compute_dtype(info.device)
+        self._compute = (
+            ComputeWeights(self.model, dtype)
+            if dtype != torch.float32 and not is_distributed()
+            else None
+        )
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.train_steps = 0  # train_step calls completed (the trainer's step counter)
 
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
-        return autocast_for(self.config, self.info)
+    def compute_weights(self) -> contextlib.AbstractContextManager[None]:
+        """Forward/backward precision: low-precision copies of the float32 masters in a single
+        process (see precision.py); FSDP's mixed-precision policy when sharded."""
+        return self._compute() if self._compute is not None else contextlib.nullcontext()
 
     @property
     def lr(self) -> float:
@@ -187,19 +188,19 @@ class TrainEngine:
                 )
             for plan in plans:
                 bad = torch.zeros((), dtype=torch.bool, device=self.info.device)
-                for mb, weight, share in zip(
-                    plan.micro_batches, plan.weights, plan.shares, strict=True
-                ):
-                    with self.autocast():
+                with self.compute_weights():
+                    for mb, weight, share in zip(
+                        plan.micro_batches, plan.weights, plan.shares, strict=True
+                    ):
                         loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
-                    if loss is None:
-                        anchor.backward()
-                        continue
-                    (loss * weight).backward()
-                    bad |= ~torch.isfinite(loss.detach())
-                    stats.local_tokens += mb.num_tokens
-                    for key, value in metrics.items():
-                        sums.add(key, value * share)
+                        if loss is None:
+                            anchor.backward()
+                            continue
+                        (loss * weight).backward()
+                        bad |= ~torch.isfinite(loss.detach())
+                        stats.local_tokens += mb.num_tokens
+                        for key, value in metrics.items():
+                            sums.add(key, value * share)
                 outcome = self.apply_gradients(bool(bad), empty=plan.global_units == 0)
                 stats.updates += 1
                 stats.skipped += int(outcome.skipped)

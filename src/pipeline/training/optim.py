@@ -16,19 +16,22 @@ from pipeline.training.config import TrainerConfig
 def build_optimizer(model: nn.Module, config: TrainerConfig) -> torch.optim.AdamW:
     """AdamW over the trainable parameters.
 
-    fused/foreach kernels are GPU paths; on CPU the plain per-parameter loop is used, which
-    also keeps CPU runs bit-reproducible across checkpoint restarts.
+    On CUDA: the fused kernel for an unsharded model, foreach for FSDP2's DTensor shards; on
+    CPU the plain per-parameter loop, which also keeps CPU runs bit-reproducible across
+    checkpoint restarts.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     on_cuda = any(p.device.type == "cuda" for p in params)
+    sharded = any(isinstance(p, DTensor) for p in params)
+    fused = on_cuda and not sharded  # one kernel for all of an unsharded model's params
     optimizer = torch.optim.AdamW(
         params,
         lr=config.lr,
         betas=config.betas,
         eps=config.eps,
         weight_decay=config.weight_decay,
-        foreach=on_cuda,
-        fused=False,
+        foreach=on_cuda and not fused,
+        fused=fused,
     )
     init_adam_state(optimizer)
     return optimizer
@@ -43,10 +46,15 @@ def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
     """
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     for group in optimizer.param_groups:
+        fused = bool(group.get("fused"))  # the fused kernel keeps step on the device
         for p in group["params"]:
             if p.requires_grad and p not in optimizer.state:
                 optimizer.state[p] = {
-                    "step": torch.tensor(0.0, dtype=scalar),
+                    "step": torch.tensor(
+                        0.0,
+                        dtype=torch.float32 if fused else scalar,
+                        device=p.device if fused else None,
+                    ),
                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }

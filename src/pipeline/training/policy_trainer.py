@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint
 from pipeline.training.config import TrainerConfig
 from pipeline.training.distributed import DistInfo, all_reduce_ints, current_dist_info
-from pipeline.training.engine import TrainEngine, autocast_for, perf_metrics, place_model
+from pipeline.training.engine import TrainEngine, perf_metrics, place_model
 from pipeline.training.errors import BatchError
 from pipeline.training.forward import micro_logprobs
 from pipeline.training.metrics import MetricSums
@@ -142,18 +143,20 @@ class PolicyTrainer:
         plan = plan_forward(
             batch, cfg.infer_tokens, padding_free=cfg.padding_free, reduce=all_reduce_ints
         )
-        for mb in plan:
-            with autocast_for(cfg, self.info):
+        # the frozen reference is stored in the compute dtype already
+        precision = self.engine.compute_weights() if model is self.model else nullcontext()
+        with precision:
+            for mb in plan:
                 logp, _, _ = micro_logprobs(
                     model,
                     mb.to(self.info.device),
                     chunk_tokens=cfg.logprob_chunk_tokens,
                     temperature=cfg.temperature,
                 )
-            if mb.is_empty:
-                continue
-            mask = mb.fields(batch.response_mask)
-            out[mb.sample_indices, : mb.width] = torch.where(mask, logp.float().cpu(), 0.0)
+                if mb.is_empty:
+                    continue
+                mask = mb.fields(batch.response_mask)
+                out[mb.sample_indices, : mb.width] = torch.where(mask, logp.float().cpu(), 0.0)
         return out
 
     # -- training -----------------------------------------------------------------------

@@ -58,8 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) >= 2 and argv[0] == "service" and argv[1] in ROLES:
         import importlib
 
+        from pipeline.errors import ConfigError
+
         module = importlib.import_module(f"services.{argv[1]}")
-        return int(module.main(argv[2:]))
+        try:
+            return int(module.main(argv[2:]))
+        except ConfigError as exc:
+            print(f"pipeline service {argv[1]}: error: {exc}", file=sys.stderr)
+            return 2
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "run":

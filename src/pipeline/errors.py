@@ -11,6 +11,15 @@ class ConfigError(PipelineError):
     """A profile or override is invalid; the message names the key and the fix."""
 
 
+class UnknownPool(ConfigError):
+    """A service was placed (`--pool`) on a pool the profile does not define."""
+
+
+class PlacementConflict(ConfigError):
+    """A replica's `--pool` is on another host than the run places its role: its peers,
+    which find it from the run's config, would look for it at the wrong address."""
+
+
 class SchemaMismatch(PipelineError):
     """A message could not be decoded: malformed, unknown version, wrong type, oversized."""
 
@@ -56,3 +65,7 @@ class RecordingError(PipelineError):
 
 class InsecureEndpoint(ConfigError):
     """A non-loopback address without CURVE keys (and run.allow_insecure not set)."""
+
+
+class JournalError(PipelineError):
+    """The controller's run journal is damaged or belongs to another run."""

@@ -26,7 +26,9 @@ def prepare_task(config: PipelineConfig, run_dir: Path) -> Task:
     from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
 
     directory = model_dir(config, run_dir)
-    if not config.model.path and not (directory / "tokenizer.json").exists():
+    # written last: a controller killed halfway through the warm start makes it again
+    made = directory / ".made"
+    if not config.model.path and not made.exists():
         save_char_tokenizer(directory)
         if not config.run.standin:
             from pipeline.tiny_model import make_tiny_model
@@ -37,6 +39,7 @@ def prepare_task(config: PipelineConfig, run_dir: Path) -> Task:
                 seed=config.run.seed,
                 warm_start_steps=config.task.warm_start_steps,
             )
+        made.touch()
     elif config.model.path and not directory.exists():
         raise ConfigError(
             f"model.path {directory} does not exist; point it at a local HF directory"

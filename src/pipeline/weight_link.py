@@ -24,7 +24,26 @@ log = get_logger("weight_link")
 def hub_endpoint(config: PipelineConfig) -> str:
     if config.run.transport == "ipc":
         return f"ipc://{layout.socket_dir(config)}/weights.sock"
-    return f"tcp://{config.pools[config.services['learner'].pool].host}:{config.run.controller_port + 900}"
+    return f"tcp://{pool_host(config, 'learner')}:{config.run.controller_port + 900}"
+
+
+def pool_host(config: PipelineConfig, role: str) -> str:
+    """The address `role` is reached at on a tcp run: its pool's host; loopback on ipc."""
+    if config.run.transport != "tcp":
+        return "127.0.0.1"
+    return config.pools[config.services[role].pool].host
+
+
+def group_options(config: PipelineConfig, role: str) -> Any:
+    """Where this side's gloo sockets of the weight group listen: its pool's host, the
+    address its peers reach it at. Gloo's default, whatever this machine's hostname
+    resolves to, is loopback in a container or a network namespace (then an engine on
+    another host is told to connect to its own 127.0.0.1) or the wrong NIC."""
+    from pipeline.weights.config import GroupOptions
+
+    if config.run.transport != "tcp":
+        return GroupOptions()
+    return GroupOptions(hostname=pool_host(config, role))
 
 
 def publish_config(config: PipelineConfig) -> Any:
@@ -34,7 +53,9 @@ def publish_config(config: PipelineConfig) -> Any:
 
     shared = config.shares_device("rollout", "learner")
     return PublishConfig(
-        dtype=getattr(torch, config.model.dtype), transport="cuda_ipc" if shared else "auto"
+        dtype=getattr(torch, config.model.dtype),
+        transport="cuda_ipc" if shared else "auto",
+        group=group_options(config, "learner"),
     )
 
 
@@ -48,11 +69,10 @@ class LearnerWeights:
         self.replicas = ctx.config.replicas("rollout")
         config = ctx.config
         # the rendezvous store listens where the engines can reach it: the learner's host
-        store_host = "127.0.0.1"
-        if config.run.transport == "tcp":
-            store_host = config.pools[config.services["learner"].pool].host
         self.hub = WeightHub(
-            endpoint=hub_endpoint(config), store_host=store_host, run_id=ctx.run_id
+            endpoint=hub_endpoint(config),
+            store_host=pool_host(config, "learner"),
+            run_id=ctx.run_id,
         )
         self.publisher = WeightPublisher(model, hub=self.hub, config=publish_config(ctx.config))
         self.version = ctx.policy_version  # the version the engines should serve
@@ -123,6 +143,7 @@ def start_receiver(ctx: Any, runner: Any) -> Any:
         runner.engine.model,
         apply,
         replica=ctx.replica,
+        options=group_options(ctx.config, "rollout"),
         run_id=ctx.run_id,
         version=runner.version,
     )

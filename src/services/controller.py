@@ -4,6 +4,11 @@ It answers every service's hello with the resolved config, releases prompts only
 the staleness budget allows (a prompt for step s goes out once the learner has finished
 step s - max_staleness - 1), and ends the run after the last step with a summary that
 accounts for every released uid: trained once, or dropped for staleness.
+
+Its state lives in a write-ahead journal in the run directory (`pipeline.runtime.journal`):
+a controller killed and restarted by the supervisor finds the journal, takes the same run
+id, releases again the prompts that were in flight (same uids, consumers de-duplicate),
+and carries on; services say hello to the new incarnation on their own.
 """
 
 from __future__ import annotations
@@ -31,39 +36,20 @@ from pipeline.messages import (
     StepDone,
 )
 from pipeline.runtime import layout
+from pipeline.runtime.journal import (
+    Accounting,
+    Journal,
+    ReleasedPrompt,
+    RunState,
+    complete_lines,
+    load_state,
+    prompt_uid,
+    release_record,
+    step_key,
+)
 from pipeline.runtime.service import MetricsWriter
 from pipeline.transport import ControlServer, QueueServer
 from pipeline.transport.control import PeerEvent
-
-
-class Accounting:
-    """Every released prompt uid ends trained exactly once or dropped; nothing else."""
-
-    def __init__(self) -> None:
-        self.released: set[str] = set()
-        self.trained: dict[str, int] = {}
-        self.dropped: set[str] = set()
-        self.duplicates: list[str] = []
-
-    def on_step(self, done: StepDone) -> None:
-        for uid in done.trained_uids:
-            prompt_uid = uid.rsplit("/", 1)[0]
-            if prompt_uid in self.trained and self.trained[prompt_uid] != done.step:
-                self.duplicates.append(prompt_uid)
-            self.trained[prompt_uid] = done.step
-        for uid in done.dropped_uids:
-            self.dropped.add(uid.rsplit("/", 1)[0])
-
-    def summary(self) -> dict[str, Any]:
-        settled = set(self.trained) | self.dropped
-        return {
-            "released": len(self.released),
-            "trained": len(self.trained),
-            "dropped": len(self.dropped - set(self.trained)),
-            "duplicates": len(self.duplicates),
-            "in_flight_at_end": len(self.released - settled),
-            "unknown_trained": len(set(self.trained) - self.released),
-        }
 
 
 class Controller:
@@ -72,19 +58,40 @@ class Controller:
     def __init__(self, config: PipelineConfig, run_dir: Path) -> None:
         self.config = config
         self.run_dir = run_dir
-        self.run_id = uuid.uuid4().hex[:12]
         self.log = get_logger("controller")
-        self.learner_version = 0
-        self.step = 0
-        self.released_count = 0
-        self.accounting = Accounting()
-        self.steps_log = MetricsWriter(run_dir / "metrics" / "steps.jsonl")
-        self.service_metrics = MetricsWriter(run_dir / "metrics" / "services.jsonl")
-        self.schedule = MetricsWriter(run_dir / "schedule.jsonl")
+        self.journal_path = run_dir / "controller" / "journal.jsonl"
+        self.state = RunState()
+        self.journal: Journal | None = None
         self._tokenizer: Any = None
         self._records: Any = None
         self.started = time.time()
         self.last_progress = self.started
+
+    @property
+    def run_id(self) -> str:
+        return self.state.run_id
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def learner_version(self) -> int:
+        return self.state.learner_version
+
+    @property
+    def accounting(self) -> Accounting:
+        return self.state.accounting
+
+    @property
+    def released_count(self) -> int:
+        return len(self.state.released)
+
+    def record(self, entry: dict[str, Any]) -> None:
+        """Journal first (fsynced), then apply: what is acted on survives a kill."""
+        assert self.journal is not None, "prepare() opens the journal"
+        self.journal.append(entry)
+        self.state.apply(entry)
 
     # ------------------------------------------------------------------ set-up
 
@@ -114,9 +121,58 @@ class Controller:
                 f"every prompt is longer than task.max_prompt_tokens = {limit}; raise it"
             )
         self._cursor = PromptCursor(records, seed=self.config.run.seed)
+        self.open_state()
         (self.run_dir / "run.json").write_text(
-            json.dumps({"run_id": self.run_id, "started": self.started, "pid": os.getpid()})
+            json.dumps(
+                {
+                    "run_id": self.run_id,
+                    "started": self.started,
+                    "pid": os.getpid(),
+                    "incarnation": self.state.incarnations,
+                }
+            )
         )
+
+    def open_state(self) -> None:
+        """A new run's journal, or the state of the incarnation that was killed."""
+        recovered = load_state(self.journal_path)
+        if recovered is not None:
+            self.state = recovered
+            self.started = recovered.started
+            self._cursor.take(len(recovered.released))  # the cursor is a seeded walk
+        metrics = self.run_dir / "metrics"
+        written = (
+            complete_lines(metrics / "steps.jsonl"),
+            complete_lines(self.run_dir / "schedule.jsonl"),
+        )
+        self.steps_log = MetricsWriter(metrics / "steps.jsonl")
+        self.service_metrics = MetricsWriter(metrics / "services.jsonl")
+        self.schedule = MetricsWriter(self.run_dir / "schedule.jsonl")
+        # a step journaled just before the kill may be missing from the metrics files
+        rows = [row for entry in self.state.steps for row in schedule_rows(entry)]
+        for row in rows[written[1] :]:
+            self.schedule.write(row)
+        for entry in self.state.steps[written[0] :]:
+            self.steps_log.write(entry["line"])
+        self.journal = Journal(self.journal_path)
+        self.record(
+            {
+                "kind": "start",
+                "run_id": self.state.run_id or uuid.uuid4().hex[:12],
+                "started": self.started,
+                "pid": os.getpid(),
+            }
+        )
+        if recovered is not None:
+            self.log.warning(
+                "controller_resumed",
+                incarnation=self.state.incarnations,
+                step=self.step,
+                policy_version=self.learner_version,
+                released=self.released_count,
+                unsettled=len(self.state.unsettled()),
+                metrics_restored=len(self.state.steps) - written[0],
+            )
 
     def config_for(self, hello: Hello) -> ConfigMsg:
         return ConfigMsg(
@@ -136,25 +192,33 @@ class Controller:
         target = allowed_steps * per_step + len(self.accounting.dropped)
         return max(0, target - self.released_count)
 
-    def make_prompt(self) -> tuple[Prompt, Any]:
+    def next_release(self) -> ReleasedPrompt:
+        record = self._cursor.next()
+        return ReleasedPrompt(
+            uid=f"{self.released_count:06d}:{record.uid}",
+            prompt_text=record.prompt_text,
+            data_source=record.data_source,
+            ground_truth=record.ground_truth,
+            released_version=self.learner_version,
+        )
+
+    def encode(self, released: ReleasedPrompt) -> tuple[Prompt, Any]:
         import numpy as np
 
         from pipeline.codec import TensorPack
 
-        record = self._cursor.next()
-        ids = self._tokenizer.encode(record.prompt_text)
+        ids = self._tokenizer.encode(released.prompt_text)
         pack = TensorPack()
         ref = pack.add(np.asarray(ids, dtype=np.int32))
         r = self.config.rollout
-        uid = f"{self.released_count:06d}:{record.uid}"
         prompt = Prompt(
-            uid=uid,
+            uid=released.uid,
             prompt_ids=ref,
             n_samples=r.n_samples,
-            data_source=record.data_source,
-            ground_truth=record.ground_truth,
-            prompt_text=record.prompt_text,
-            released_version=self.learner_version,
+            data_source=released.data_source,
+            ground_truth=released.ground_truth,
+            prompt_text=released.prompt_text,
+            released_version=released.released_version,
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
             top_p=r.top_p,
@@ -163,38 +227,62 @@ class Controller:
         return prompt, pack
 
     async def release_loop(self, prompts: QueueServer) -> None:
+        # what the killed incarnation released and nobody settled: it may have died with
+        # its queue, or still be on its way; the same uid is taken once downstream
+        again = self.state.unsettled()
+        if again:
+            self.log.info("prompts_released_again", count=len(again))
+        for released in again:
+            await prompts.send(*self.encode(released))
         cap = self.config.controller.max_inflight_prompts
         while True:
             budget = min(self.release_budget(), cap - prompts.unacked)
-            for _ in range(max(0, budget)):
-                prompt, pack = self.make_prompt()
-                self.accounting.released.add(prompt.uid)
-                self.released_count += 1
-                await prompts.send(prompt, pack)
+            if budget > 0:
+                batch = [self.next_release() for _ in range(budget)]
+                self.record(release_record(batch))
+                for released in batch:
+                    await prompts.send(*self.encode(released))
             await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------------ inbox
 
     async def on_step_done(self, done: StepDone, control: ControlServer) -> None:
-        self.accounting.on_step(done)
-        self.learner_version = done.policy_version
-        control.policy_version = done.policy_version
-        self.step = done.step + 1
-        self.last_progress = time.time()
-        for uid in done.trained_uids:
-            self.schedule.write({"uid": uid, "step": done.step, "version": done.policy_version})
-        record = {
+        key = step_key(done.step, done.policy_version, done.trained_uids)
+        if key in self.state.step_keys:
+            # the learner sends a step again until our heartbeats carry its version
+            self.log.info("step_reported_again", step=done.step)
+            return
+        now = time.time()
+        line = {
+            "time": now,
             "step": done.step,
             "policy_version": done.policy_version,
             "trained": len(done.trained_uids),
             "dropped": len(done.dropped_uids),
-            "elapsed_s": round(time.time() - self.started, 3),
+            "elapsed_s": round(now - self.started, 3),
             **done.metrics,
         }
-        self.steps_log.write(record)
-        self.log.info("step_done", **{k: record[k] for k in ("step", "trained", "dropped")})
-        # heartbeats carry the version to everyone (stand-in engines read it there)
-        await control.broadcast(Heartbeat(service="controller", policy_version=done.policy_version))
+        entry = {
+            "kind": "step",
+            "key": key,
+            "step": done.step,
+            "policy_version": done.policy_version,
+            "trained_uids": done.trained_uids,
+            "dropped_uids": done.dropped_uids,
+            "line": line,
+        }
+        self.record(entry)
+        for row in schedule_rows(entry):
+            self.schedule.write(row)
+        self.steps_log.write(line)
+        self.last_progress = now
+        self.log.info("step_done", step=done.step, trained=line["trained"], dropped=line["dropped"])
+        # journaled: now the version may be announced (the learner's acknowledgement), and
+        # heartbeats carry it to everyone (stand-in engines read it there)
+        control.policy_version = self.learner_version
+        await control.broadcast(
+            Heartbeat(service="controller", policy_version=self.learner_version)
+        )
 
     async def watchdog(self) -> None:
         """End the run with a clear error when no step finishes in `step_timeout_s`."""
@@ -223,9 +311,10 @@ class Controller:
                 if self.step >= self.config.controller.steps:
                     finished.set()
             elif isinstance(body, Dropped):
-                for uid in body.uids:
-                    self.accounting.dropped.add(uid.rsplit("/", 1)[0])
-                self.log.info("dropped_stale", groups=len({u.rsplit("/", 1)[0] for u in body.uids}))
+                groups = {prompt_uid(u) for u in body.uids}
+                if groups - self.accounting.dropped:  # not a report sent again
+                    self.record({"kind": "dropped", "uids": body.uids})
+                    self.log.info("dropped_stale", groups=len(groups))
             elif isinstance(body, Metrics):
                 self.service_metrics.write(
                     {
@@ -250,7 +339,9 @@ class Controller:
             run_id=self.run_id,
             config_for=self.config_for,
             config=channel,
-        ).start()
+        )
+        control.policy_version = self.learner_version
+        control.start()
         prompts = QueueServer(
             "prompts",
             layout.bind_endpoint(self.config, "prompts", 0),
@@ -275,6 +366,8 @@ class Controller:
             asyncio.create_task(stop.wait()),
             asyncio.create_task(self.watchdog()),
         ]
+        if self.step >= self.config.controller.steps:
+            finished.set()  # the killed incarnation had journaled the last step
         await asyncio.wait([*tasks, *waiters], return_when=asyncio.FIRST_COMPLETED)
         for task in tasks:
             if task.done() and task.exception():
@@ -284,6 +377,7 @@ class Controller:
             "steps": self.step,
             "completed": finished.is_set(),
             "seconds": round(time.time() - self.started, 3),
+            "incarnations": self.state.incarnations,
             **self.accounting.summary(),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -293,8 +387,19 @@ class Controller:
             task.cancel()
         await prompts.close()
         await control.close()
+        assert self.journal is not None
+        self.journal.close()
         self.log.info("run_finished", **summary)
         return summary
+
+
+def schedule_rows(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """schedule.jsonl rows of a journaled step: which sample uid was trained when."""
+    time_, step, version = entry["line"]["time"], entry["step"], entry["policy_version"]
+    return [
+        {"time": time_, "uid": uid, "step": step, "version": version}
+        for uid in entry["trained_uids"]
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

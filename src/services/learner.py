@@ -2,11 +2,13 @@
 
 It is the sink of the data plane: it acknowledges a group only once the step that used it
 is done, so a learner that dies before that loses nothing; a group dropped as too stale is
-acknowledged as soon as the controller has been told (it is settled then).
+acknowledged as soon as the controller has been told (it is settled then). Its reports go
+through `StepReports`, which sends them again to a restarted controller until confirmed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -15,10 +17,12 @@ from typing import Any
 import numpy as np
 
 from pipeline import codec
-from pipeline.messages import Dropped, StepDone
+from pipeline.messages import StepDone
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group
+from pipeline.step_reports import StepReports
 from pipeline.transport import Delivery
+from pipeline.transport.channel import cancel_and_wait
 
 
 def staleness(group: GroupArrays, version: int) -> int:
@@ -50,6 +54,11 @@ class LearnerService(Service):
         self.version = self.ctx.policy_version
         self.step = self.version
         self.trainer: Any = None
+        self.reports: StepReports | None = None
+        self._watch: asyncio.Task[None] | None = None
+        if self.ctx.control is not None:  # not when replaying
+            self.reports = StepReports(self.ctx.control)
+            self._watch = asyncio.create_task(self.reports.watch())
         if not self.config.run.standin:
             from pipeline.learner_worker import LearnerWorker
 
@@ -60,7 +69,7 @@ class LearnerService(Service):
     async def collect(
         self,
     ) -> tuple[list[tuple[Delivery, GroupArrays]], list[tuple[Delivery, GroupArrays]]]:
-        assert self.ctx.input is not None and self.ctx.control is not None
+        assert self.ctx.input is not None and self.reports is not None
         need = self.config.controller.prompts_per_step
         bound = self.config.controller.max_staleness
         fresh: list[tuple[Delivery, GroupArrays]] = []
@@ -77,17 +86,17 @@ class LearnerService(Service):
                 # acknowledge now: the controller has counted it as dropped, and holding it
                 # would keep its prompt in flight (a stall once max_inflight_prompts of
                 # stale groups pile up, e.g. behind an engine that restarted)
-                await self.ctx.control.send(
-                    Dropped(uids=[s.uid for s in group.samples], policy_version=self.version)
-                )
+                await self.reports.dropped([s.uid for s in group.samples], self.version)
                 delivery.ack()
             else:
                 fresh.append((delivery, group))
         return fresh, stale
 
     async def run(self) -> None:
-        assert self.ctx.control is not None
+        assert self.ctx.control is not None and self.reports is not None
         while not self.ctx.stop.is_set():
+            if self._watch is not None and self._watch.done():
+                self._watch.result()  # a failed watcher fails the service visibly
             fresh, stale = await self.collect()
             if self.ctx.stop.is_set():
                 return
@@ -110,7 +119,7 @@ class LearnerService(Service):
                 metrics.update(await self.trainer.publish(self.version))
                 self.span("weight_sync", wall, time.time(), version=self.version)
             self.ctx.control.policy_version = self.version
-            await self.ctx.control.send(
+            await self.reports.step_done(
                 StepDone(
                     step=self.step - 1,
                     policy_version=self.version,
@@ -147,6 +156,8 @@ class LearnerService(Service):
         return []
 
     async def teardown(self) -> None:
+        if self._watch is not None:
+            await cancel_and_wait([self._watch])
         if self.trainer is not None:
             await self.trainer.close()
 

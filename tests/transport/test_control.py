@@ -88,3 +88,37 @@ async def test_a_peer_declared_dead_while_busy_is_taken_back_when_it_speaks(ipc_
     assert [p.policy_version for p in server.peers.values()] == [7]
     sock.close(linger=0)
     await server.close()
+
+
+async def test_services_rejoin_a_restarted_controller_at_the_same_address(ipc_endpoint):
+    """A new controller incarnation does not know the running services; they say hello to
+    it on their own, and its heartbeats then acknowledge the learner's version."""
+    endpoint = ipc_endpoint("ctl")
+    first = ControlServer(endpoint, run_id="run1", config_for=answer, config=FAST).start()
+    client = ControlClient(first.endpoint, service="learner", replica=0, config=FAST)
+    await client.handshake(hello("learner"), timeout_s=5)
+    assert (client.rejoins, client.controller_version) == (0, 3)
+    await first.close()  # the controller dies
+
+    second = ControlServer(endpoint, run_id="run1", config_for=answer, config=FAST)
+    second.policy_version = 5  # what its journal says the learner reached
+    second.start()
+    deadline = time.monotonic() + 5
+    while client.rejoins == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert client.rejoins == 1
+    kinds = []
+    while len(kinds) < 2:
+        event = await asyncio.wait_for(second.inbox.get(), 2)
+        kinds.append(event.kind)
+    assert kinds == ["joined", "ready"]
+    assert [p.name for p in second.ready_peers()] == ["learner-0"]
+    await asyncio.sleep(3 * FAST.heartbeat_s)
+    assert client.controller_version == 5 and client.policy_version >= 5
+    # from now on reports reach the new incarnation
+    await client.send(StepDone(step=5, policy_version=6, trained_uids=["a/0"]))
+    peer, body = await asyncio.wait_for(second.inbox.get(), 2)
+    assert isinstance(body, StepDone) and peer.name == "learner-0"
+    assert client.rejoins == 1  # one hello per incarnation
+    await client.close()
+    await second.close()

@@ -5,10 +5,9 @@ in separate network namespaces joined by a veth pair, as if on separate hosts.""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import uuid
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from pipeline.errors import InsecureEndpoint
 from pipeline.transport import QueueServer
 from pipeline.transport.channel import free_tcp_port
 from pipeline.transport.security import configure, make_keys
+from tests import netns
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,47 +47,22 @@ def test_keys_are_made_and_a_non_loopback_bind_without_them_is_refused(tmp_path)
     QueueServer("prompts", f"tcp://127.0.0.1:{free_tcp_port()}", run_id="r", sender="s")
 
 
-def _netns_available() -> str | None:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return "needs root and iproute2 (ip netns)"
-    probe = f"pl-probe-{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], check=False)
-    return None
+def test_a_curve_bound_weight_hub_closes_at_once(tmp_path):
+    """Its context holds the ZAP handler's socket: term() waited on it forever."""
+    from pipeline.weights.hub import WeightHub
 
-
-def _sh(*args: str) -> None:
-    subprocess.run(list(args), check=True, capture_output=True, text=True)
+    configure(make_keys(tmp_path / "keys"))
+    hub = WeightHub(endpoint=f"tcp://0.0.0.0:{free_tcp_port()}", store_host="127.0.0.1")
+    closer = threading.Thread(target=hub.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive(), "WeightHub.close() hung in zmq term"
 
 
 @pytest.fixture
 def two_hosts():
-    """Namespaces a (10.77.x.1) and b (10.77.x.2) joined by a veth pair; removed after."""
-    why = _netns_available()
-    if why:
-        pytest.skip(why)
-    tag = uuid.uuid4().hex[:5]
-    a, b = f"pl-a-{tag}", f"pl-b-{tag}"
-    net = f"10.77.{int(tag[:2], 16)}"
-    try:
-        try:
-            _sh("ip", "netns", "add", a)
-            _sh("ip", "netns", "add", b)
-            _sh("ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
-            _sh("ip", "link", "set", f"va{tag}", "netns", a)
-            _sh("ip", "link", "set", f"vb{tag}", "netns", b)
-            for ns, dev, ip in ((a, f"va{tag}", f"{net}.1"), (b, f"vb{tag}", f"{net}.2")):
-                _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-                _sh("ip", "-n", ns, "link", "set", dev, "up")
-                _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        except subprocess.CalledProcessError as exc:  # e.g. no veth support in this kernel
-            pytest.skip(f"cannot build the two namespaces: {' '.join(exc.cmd)}: {exc.stderr}")
-        yield a, b, f"{net}.1"
-    finally:
-        for ns in (a, b):  # deleting a namespace deletes its end of the veth pair too
-            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+    with netns.two_hosts() as (a, b):
+        yield a.ns, b.ns, a.ip
 
 
 def _peer(ns: str, *args: str) -> subprocess.Popen[str]:

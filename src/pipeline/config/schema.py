@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pipeline.algorithms.config import AlgorithmConfig
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, UnknownPool
 from pipeline.training.config import TrainerConfig
 from pipeline.transport.channel import ChannelConfig
 
@@ -237,6 +237,34 @@ class PipelineConfig:
                 "`pipeline keys DIR` and set run.keys_dir = DIR (or run.allow_insecure = true "
                 "on a trusted network)"
             )
+
+    def placed_on(self, role: str, pool: str) -> PipelineConfig:
+        """This config with `role` placed on `pool`: its host and devices come from that
+        pool (`pipeline service ROLE --pool POOL`, a replica started by hand on a host)."""
+        if pool not in self.pools:
+            raise UnknownPool(
+                f"--pool {pool!r} is not a pool of this run; known pools: {sorted(self.pools)} "
+                f"(or define [pools.{pool}] in the profile)"
+            )
+        if role not in self.services:
+            raise ConfigError(
+                f"{role} is not placed in this run; add [services.{role}] to the profile"
+            )
+        placement = replace(self.services[role], pool=pool)
+        devices = self.pools[pool].devices
+        if (
+            self.pools[pool].kind == "cuda"
+            and devices
+            and placement.devices_per_replica > len(devices)
+        ):
+            raise ConfigError(
+                f"services.{role}.devices_per_replica = {placement.devices_per_replica} but "
+                f"pool {pool!r} has {len(devices)} devices; pick a larger pool"
+            )
+        config = replace(self, services={**self.services, role: placement})
+        # one replica moves, not the role: the role's device total is not checked here
+        config._validate_security()
+        return config
 
     def replicas(self, role: str) -> int:
         placement = self.services.get(role)

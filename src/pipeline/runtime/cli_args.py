@@ -16,7 +16,12 @@ def service_parser(role: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--profile", default="profiles/local-cpu.toml")
     parser.add_argument("--replica", type=int, default=0)
-    parser.add_argument("--pool", default=None, help="pool this replica runs on (placement)")
+    parser.add_argument(
+        "--pool",
+        default=None,
+        help="pool of the profile this replica runs on: its host and devices (default: the "
+        "role's placement)",
+    )
     parser.add_argument("--controller", default=None, help="controller address (default: layout)")
     parser.add_argument("--allow-incomplete", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -26,6 +31,8 @@ def service_args(role: str, argv: list[str] | None) -> tuple[argparse.Namespace,
     parser = service_parser(role)
     args, rest = parser.parse_known_args(argv)
     config = load_config(args.profile, parse_override_args(rest))
+    if args.pool is not None:
+        config = config.placed_on(role, args.pool)
     from pipeline.transport.security import configure
 
     configure(config.run.keys_dir or None, config.run.allow_insecure)
@@ -41,7 +48,15 @@ def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
     args, config = service_args(role, argv)
     pin_devices(config, role, args.replica)
     controller = args.controller or layout.controller_endpoint(config)
-    run_async(serve(service_cls, controller=controller, replica=args.replica, local_config=config))  # type: ignore[arg-type]
+    run_async(
+        serve(
+            service_cls,  # type: ignore[arg-type]
+            controller=controller,
+            replica=args.replica,
+            local_config=config,
+            pool=args.pool,
+        )
+    )
     return 0
 
 

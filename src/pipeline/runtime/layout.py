@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline.config.schema import QUEUES, PipelineConfig
+from pipeline.errors import PlacementConflict
 
 # which role produces each queue
 PRODUCER_OF = {
@@ -77,3 +78,21 @@ def output_queue(config: PipelineConfig, role: str) -> str | None:
 def producer_endpoints(config: PipelineConfig, queue: str) -> list[str]:
     role = PRODUCER_OF[queue]
     return [queue_endpoint(config, queue, r) for r in range(config.replicas(role))]
+
+
+def place_replica(config: PipelineConfig, role: str, pool: str) -> PipelineConfig:
+    """The run's config as one replica started with `--pool POOL` uses it: it binds on that
+    pool's host and sees that pool's devices. Its peers find it from the run's config alone
+    (a producer's queue, the learner's weight hub: at the host of the pool the run places
+    the role on), so on tcp the pool must be on that host; the controller, whose config
+    is the run's, places itself anywhere (`config.placed_on`)."""
+    placed = config.placed_on(role, pool)
+    where = config.services[role].pool
+    host, mine = config.pools[where].host, config.pools[pool].host
+    if config.run.transport == "tcp" and host != mine:
+        raise PlacementConflict(
+            f"--pool {pool!r} is on host {mine}, but this run places {role} on pool "
+            f"{where!r} (host {host}), where its peers connect to it; start the controller "
+            f"with --services.{role}.pool {pool}, or pick a pool on host {host}"
+        )
+    return placed

@@ -192,8 +192,10 @@ async def serve(
     controller: str,
     replica: int,
     local_config: PipelineConfig,
+    pool: str | None = None,
 ) -> None:
-    """Run one service replica until the run ends or it is told to stop."""
+    """Run one service replica until the run ends or it is told to stop; `pool` places it
+    on another pool of the run than the role's (`pipeline service ROLE --pool POOL`)."""
     role = service_cls.role
     configure_logging()
     bind_process(service=role, replica=replica)
@@ -213,6 +215,12 @@ async def serve(
     )
     answer = await control.handshake(hello, local_config.run.handshake_timeout_s)
     config = config_from_json(answer.config_json)
+    if pool is not None:
+        try:
+            config = layout.place_replica(config, role, pool)
+        except Exception:
+            await control.close()
+            raise
     bind_process(service=role, replica=replica, run_id=answer.run_id)
     ctx = ServiceContext(
         config=config,

@@ -1,8 +1,10 @@
 """The local supervisor: every service of the profile as its own OS process.
 
 It restarts a crashed service a bounded number of times, ends the run when the
-controller exits, and on Ctrl-C stops every child (SIGTERM, then SIGKILL after the
-deadline), always by process id.
+controller exits by itself, and on Ctrl-C stops every child (SIGTERM, then SIGKILL after
+the deadline), always by process id. A controller killed by a signal is restarted like
+the others: it resumes the run from its journal and the services rejoin it. One that
+exits with a code of its own (done, stalled, or a bug it would only repeat) ends the run.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class Supervisor:
         """Handle a child that exited; returns False when the run must end."""
         child.exits.append(code)
         self.events.append({"time": time.time(), "service": child.name, "exit": code})
-        if child.role == "controller":
+        if child.role == "controller" and (code >= 0 or self._stopping):
             self.log.info("controller_exited", code=code)
             return False
         if self._stopping:
@@ -175,9 +177,9 @@ class Supervisor:
                     rc = child.proc.poll()
                     if rc is not None and not (child.role != "controller" and rc == 0):
                         keep_going = self._on_exit(child, rc)
-                        if child.role == "controller":
-                            code = rc
                         if not keep_going:
+                            if child.role == "controller":
+                                code = rc
                             break
                 if not keep_going:
                     break

@@ -3,6 +3,10 @@
 Small messages only. The controller binds a ROUTER; every service connects a DEALER,
 says hello within a time limit and from then on heartbeats both ways make a dead peer
 visible as a typed error instead of a silent hang.
+
+A restarted controller (a new incarnation at the same address, same run id) does not know
+the services that were already running: it answers whatever they send with a heartbeat,
+the service sees a new sender and says hello again (`ControlClient.rejoins` counts that).
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class ControlServer:
         self.endpoint = bind(self._sock, endpoint)
         self.peers: dict[bytes, Peer] = {}
         self._departed: dict[bytes, Peer] = {}  # declared dead; back if they speak again
+        self._asked: dict[bytes, float] = {}  # unknown peers last asked to say hello
         # the learner's version, echoed in every heartbeat answer
         self.policy_version = 0
         self.inbox: asyncio.Queue[tuple[Peer, Any] | PeerEvent] = asyncio.Queue()
@@ -103,12 +108,15 @@ class ControlServer:
         return self
 
     async def send(self, peer: Peer, body: Any) -> None:
+        await self._send_to(peer.identity, body, peer.name)
+
+    async def _send_to(self, identity: bytes, body: Any, name: str) -> None:
         self._seq += 1
         frames = codec.encode(body, run_id=self.run_id, sender=self.identity, seq=self._seq)
         try:
-            await self._sock.send_multipart([peer.identity, *frames])
+            await self._sock.send_multipart([identity, *frames])
         except zmq.ZMQError as exc:
-            self.log.warning("send_failed", peer=peer.name, error=str(exc))
+            self.log.warning("send_failed", peer=name, error=str(exc))
 
     async def broadcast(self, body: Any) -> None:
         for peer in list(self.peers.values()):
@@ -142,7 +150,11 @@ class ControlServer:
             return
         body = msg.body
         if isinstance(body, Hello):
-            peer = self.peers[identity] = Peer(identity=identity, hello=body)
+            self._asked.pop(identity, None)
+            known = self.peers.get(identity)
+            peer = self.peers[identity] = Peer(
+                identity=identity, hello=body, ready=known is not None and known.ready
+            )
             self.log.info("peer_hello", peer=peer.name, pid=body.pid)
             await self.send(peer, self._config_for(body))
             self.inbox.put_nowait(PeerEvent("joined", peer))
@@ -155,7 +167,19 @@ class ControlServer:
             self.inbox.put_nowait(PeerEvent("back", peer))
         if peer is None:
             self.stats.rejected["no_hello"] += 1
-            self.log.error("message_before_hello", type=msg.type.name)
+            now = time.monotonic()
+            # heartbeats queued while no controller was up arrive in a burst: answer once
+            if now - self._asked.get(identity, -1e9) < self.config.peer_timeout_s / 2:
+                return
+            self._asked[identity] = now
+            self.log.warning(
+                "message_before_hello",
+                type=msg.type.name,
+                hint="a service that joined an earlier controller incarnation says hello again",
+            )
+            # our heartbeat tells it that the controller changed (a new sender)
+            beat = Heartbeat(service="controller", policy_version=self.policy_version)
+            await self._send_to(identity, beat, identity.decode(errors="replace"))
             return
         peer.last_seen = time.monotonic()
         if isinstance(body, Ready):
@@ -209,6 +233,14 @@ class ControlClient:
         self.shutdown = asyncio.Event()
         self.controller_dead = asyncio.Event()
         self.policy_version = -1
+        # the learner version the controller last announced: it journals a step before it
+        # announces its version, so this acknowledges the learner's StepDone reports
+        self.controller_version = -1
+        # hellos answered by a new controller incarnation (a restarted controller)
+        self.rejoins = 0
+        self._controller = ""  # the sender name of the controller incarnation we know
+        self._hello: Hello | None = None
+        self._hello_sent_at: float | None = None  # a re-hello not answered yet
         self._last_seen = time.monotonic()
         self._seq = 0
         self._tasks: list[asyncio.Task[Any]] = []
@@ -223,6 +255,7 @@ class ControlClient:
     async def handshake(self, hello: Hello, timeout_s: float) -> ConfigMsg:
         """hello -> config -> ready, within `timeout_s`; then heartbeats start."""
         deadline = time.monotonic() + timeout_s
+        self._hello = hello
         await self.send(hello)
         while True:
             left = deadline - time.monotonic()
@@ -240,6 +273,8 @@ class ControlClient:
             if isinstance(msg.body, ConfigMsg):
                 self.run_id = msg.body.run_id
                 self.policy_version = msg.body.policy_version
+                self.controller_version = msg.body.policy_version
+                self._controller = msg.header.sender
                 await self.send(Ready(service=self.service, replica=self.replica))
                 self._last_seen = time.monotonic()
                 self._tasks = [
@@ -275,18 +310,48 @@ class ControlClient:
         if self.controller_dead.is_set():
             self.controller_dead.clear()
             self.log.info("controller_back")
+        if isinstance(msg.body, ConfigMsg):
+            await self._rejoined(msg.header.sender, msg.body)
+            return
+        if msg.header.sender != self._controller and self._hello_sent_at is None:
+            self.log.warning("controller_restarted", controller=msg.header.sender)
+            await self._say_hello()
         if isinstance(msg.body, Heartbeat):
             # the controller's heartbeats carry the learner's current policy version
             self.policy_version = max(self.policy_version, msg.body.policy_version)
+            if msg.header.sender == self._controller:
+                self.controller_version = msg.body.policy_version
         if isinstance(msg.body, Shutdown):
             self.log.info("shutdown_requested", reason=msg.body.reason)
             self.shutdown.set()
         elif not isinstance(msg.body, Heartbeat):
             self.inbox.put_nowait(msg.body)
 
+    async def _say_hello(self) -> None:
+        assert self._hello is not None, "handshake() first"
+        self._hello_sent_at = time.monotonic()
+        await self.send(self._hello)
+
+    async def _rejoined(self, sender: str, config: ConfigMsg) -> None:
+        """A new controller incarnation answered our hello: ready again, same run."""
+        if self._hello_sent_at is None:
+            return  # a duplicate answer
+        self._hello_sent_at = None
+        self._controller = sender
+        self.controller_version = config.policy_version
+        self.policy_version = max(self.policy_version, config.policy_version)
+        await self.send(Ready(service=self.service, replica=self.replica))
+        self.rejoins += 1
+        self.log.info(
+            "controller_rejoined", controller=sender, policy_version=config.policy_version
+        )
+
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_s)
+            sent_at = self._hello_sent_at
+            if sent_at is not None and time.monotonic() - sent_at > self.config.peer_timeout_s / 2:
+                await self._say_hello()  # that hello or its answer was lost with a controller
             await self.send(
                 Heartbeat(
                     service=self.service, replica=self.replica, policy_version=self.policy_version

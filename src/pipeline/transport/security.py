@@ -93,6 +93,16 @@ def _authenticator(ctx: Any) -> None:
         _authenticators[id(ctx)] = (auth, plain)
 
 
+def release(ctx: Any) -> None:
+    """Stop the ZAP handler of `ctx`, if it has one. Call it before `ctx.term()`: the
+    handler's socket lives on that context, so term would otherwise wait for it forever."""
+    with _lock:
+        entry = _authenticators.pop(id(ctx), None)
+    if entry is not None:
+        auth, _plain = entry
+        auth.stop()
+
+
 def secure_bind(sock: Any, endpoint: str, *, loopback: bool) -> None:
     """Make `sock` a CURVE server before binding a non-loopback `endpoint`."""
     if loopback:

@@ -19,6 +19,7 @@ import zmq
 from pipeline.log import get_logger
 from pipeline.messages import Hello, Shutdown
 from pipeline.transport.channel import bind
+from pipeline.transport.security import release
 from pipeline.weights.group import StoreHost
 from pipeline.weights.wire import Dropped, Link, Received
 
@@ -170,4 +171,5 @@ class WeightHub:
 
     def close(self) -> None:
         self.link.close()
+        release(self.ctx)  # a CURVE bind's ZAP handler: term() would wait on its socket
         self.ctx.term()

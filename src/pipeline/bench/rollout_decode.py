@@ -251,12 +251,29 @@ def run_ours(
             check=check,
         )
         progress(f"ours b={b}: {[round(x, 3) for x in out[b]]} s")
+        if args.torch_profile:
+            print_profile(
+                lambda engine=engine, requests=requests: engine.generate(requests), device
+            )
         engine.close()
         del engine
         free_memory(device)
     del model
     free_memory(device)
     return out, {"cuda_graphs": graphs, "max_prefill_tokens": "batch * prompt"}
+
+
+def print_profile(fn: Callable[[], Any], device: torch.device, rows: int = 25) -> None:
+    """One more call under torch.profiler: where the time goes (device and host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=rows), flush=True)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows), flush=True)
 
 
 def run_hf(
@@ -359,6 +376,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         progress(f"model saved; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
         ours, ours_info = run_ours(model_dir, batches, args, device)
         free_memory(device)
+        if args.no_baselines:  # profiling only: no figures without their baselines
+            for b, runs in ours.items():
+                progress(f"ours b={b}: {b * args.new / statistics.median(runs):.1f} tokens/s")
+            raise SystemExit(0)
         hf, hf_info = run_hf(model_dir, batches, args, device)
         free_memory(device)
     static_name = "hf_generate_static_compiled" if hf_info["hf_compiled"] else "hf_generate_static"
@@ -438,6 +459,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--no-compile", action="store_true", help="static-cache baseline eager")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="engine without CUDA graphs")
+    ap.add_argument("--torch-profile", action="store_true", help="print a torch.profiler table")
+    ap.add_argument("--no-baselines", action="store_true", help="skip transformers (profiling)")
     args = ap.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

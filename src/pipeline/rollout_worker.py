@@ -156,7 +156,7 @@ async def start_engine(ctx: Any) -> EngineRunner:
         max_seq_len=config.task.max_prompt_tokens + config.rollout.max_new_tokens + 1,
         seed=config.run.seed + ctx.replica,
         **(
-            {"use_cuda_graphs": config.rollout.cuda_graphs}
+            {"use_cuda_graphs": config.rollout.cuda_graphs, "compile": config.rollout.compile}
             if config.rollout.engine == "torch" and device == "cuda"
             else {}
         ),

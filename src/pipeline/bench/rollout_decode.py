@@ -4,7 +4,7 @@
         [--batches 64,256] [--prompt 128] [--new 256] [--warmup 2] [--repeats 3] [--json OUT]
 
 A random-weight model of the shape is saved once with `save_model` and loaded from that
-directory by `TorchEngine` (CUDA graphs on CUDA) and by `transformers`. Every system gets the
+directory by `TorchEngine` (CUDA graphs and compiled blocks on CUDA) and by `transformers`. Every system gets the
 same random prompts of exactly `--prompt` tokens and generates exactly `--new` tokens per
 sample (no stop tokens), sampling at temperature 1 with top-p 1 and no top-k; each run is
 timed from the call to the last token on the host (prefill included), after `--warmup`
@@ -220,6 +220,7 @@ def run_ours(
     model = load_model(model_dir, dtype=bench_dtype(device), device=device)
     assert isinstance(model, CausalLM)
     graphs = device.type == "cuda" and not args.no_cuda_graphs
+    compiled = device.type == "cuda" and not args.no_engine_compile
     params = SamplingParams(
         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new, stop_token_ids=()
     )
@@ -232,6 +233,7 @@ def run_ours(
                 max_seq_len=args.prompt + args.new,
                 max_prefill_tokens=b * args.prompt,  # every prompt in one prefill
                 use_cuda_graphs=graphs,
+                compile=compiled,
                 seed=args.seed,
             ),
         )
@@ -260,7 +262,11 @@ def run_ours(
         free_memory(device)
     del model
     free_memory(device)
-    return out, {"cuda_graphs": graphs, "max_prefill_tokens": "batch * prompt"}
+    return out, {
+        "cuda_graphs": graphs,
+        "engine_compile": compiled,
+        "max_prefill_tokens": "batch * prompt",
+    }
 
 
 def print_profile(fn: Callable[[], Any], device: torch.device, rows: int = 25) -> None:
@@ -459,6 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--no-compile", action="store_true", help="static-cache baseline eager")
     ap.add_argument("--no-cuda-graphs", action="store_true", help="engine without CUDA graphs")
+    ap.add_argument(
+        "--no-engine-compile", action="store_true", help="engine blocks and sampler eager"
+    )
     ap.add_argument("--torch-profile", action="store_true", help="print a torch.profiler table")
     ap.add_argument("--no-baselines", action="store_true", help="skip transformers (profiling)")
     args = ap.parse_args(argv)

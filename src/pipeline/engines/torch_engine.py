@@ -44,6 +44,7 @@ from pipeline.engines.weights import StagedWeights
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.models import CausalLM, KVCache, load_model
+from pipeline.models.attention import eager_attend
 
 _log = get_logger("engines.torch")
 
@@ -63,6 +64,10 @@ class TorchEngineConfig:
     drain_on_update: bool = False
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     use_cuda_graphs: bool = False
+    # CUDA only: torch.compile each decoder block (attention itself stays eager, see
+    # models.attention.eager_attend) and the sampler, so a decode step is a few fused kernels
+    # per layer instead of dozens of small ones; costs a compile at start-up
+    compile: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -109,6 +114,14 @@ class _RunningView:
     all_greedy: bool
 
 
+def compile_for_decoding(model: CausalLM) -> None:
+    """torch.compile every block in place, with its attention (KV-cache write included)
+    left eager: one symbolic-shape graph serves prefill and decode of any batch."""
+    for block in model.model.layers:
+        eager_attend(block.self_attn)  # type: ignore[union-attr, arg-type]
+        block.compile(dynamic=True)
+
+
 class TorchEngine(Engine):
     """Engine over a native `CausalLM` on CPU or CUDA.
 
@@ -133,6 +146,10 @@ class TorchEngine(Engine):
         self.state = SlotState(cfg.max_batch, cfg.max_seq_len, self.device)
         self.noise = GumbelNoise(self.vocab_size, self.device)
         self.weights = StagedWeights(model)
+        self._sample = sample
+        if cfg.compile and self.device.type == "cuda":
+            compile_for_decoding(model)
+            self._sample = torch.compile(sample)
         self.graphs: DecodeGraphs | None = None
         if cfg.use_cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch)
@@ -358,7 +375,7 @@ class TorchEngine(Engine):
             keys=st.keys[slots],
             token_index=generated,
         )
-        tokens, logprobs = sample(  # (b,) each
+        tokens, logprobs = self._sample(  # (b,) each
             logits, params, self.noise, truncate=truncate, all_greedy=all_greedy
         )
         st.tokens[slots, length] = tokens

@@ -8,6 +8,7 @@ checkpointing and torch.compile all wrap the same way.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = None
             self.k_norm = None
+        # the engine sets `eager_attend(self)` before compiling a block for decoding
+        self.attend_fn: Callable[..., torch.Tensor] = attend
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec
@@ -73,26 +76,41 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = apply_rope(q, cos, sin)  # (batch, seq, heads, head_dim)
         k = apply_rope(k, cos, sin)  # (batch, seq, kv_heads, head_dim)
-        if spec.cu_seqlens is not None:
-            if q.dtype in (torch.bfloat16, torch.float16):
-                out = varlen_causal(q[0], k[0], v[0], spec.cu_seqlens, spec.max_seqlen)
-                return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
-            if spec.mask is None:  # fp32 on CUDA: flash has no fp32 kernel; mask once per pass
-                from pipeline.models.masks import packed_causal_mask
+        return self.o_proj(self.attend_fn(self, q, k, v, spec))  # (batch, seq, hidden)
 
-                spec.mask = packed_causal_mask(spec.cu_seqlens, s)
-        if spec.cache is not None:
-            assert spec.slots is not None and spec.columns is not None
-            k, v = spec.cache.update(self.layer_idx, spec.slots, spec.columns, k, v, spec.kv_len)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # (batch, heads, seq, head_dim)
-            k.transpose(1, 2),  # (batch, kv_heads, kv_seq, head_dim)
-            v.transpose(1, 2),
-            attn_mask=spec.mask,
-            is_causal=spec.mask is None and spec.cache is None and spec.cu_seqlens is None,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )  # (batch, heads, seq, head_dim)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+def attend(
+    attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+) -> torch.Tensor:
+    """Attention proper (cache write/read included): (batch, seq, heads * head_dim)."""
+    b, s = q.shape[:2]
+    if spec.cu_seqlens is not None:
+        if q.dtype in (torch.bfloat16, torch.float16):
+            out = varlen_causal(q[0], k[0], v[0], spec.cu_seqlens, spec.max_seqlen)
+            return out.reshape(b, s, attn.num_heads * attn.head_dim)
+        if spec.mask is None:  # fp32 on CUDA: flash has no fp32 kernel; mask once per pass
+            from pipeline.models.masks import packed_causal_mask
+
+            spec.mask = packed_causal_mask(spec.cu_seqlens, s)
+    if spec.cache is not None:
+        assert spec.slots is not None and spec.columns is not None
+        k, v = spec.cache.update(attn.layer_idx, spec.slots, spec.columns, k, v, spec.kv_len)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # (batch, heads, seq, head_dim)
+        k.transpose(1, 2),  # (batch, kv_heads, kv_seq, head_dim)
+        v.transpose(1, 2),
+        attn_mask=spec.mask,
+        is_causal=spec.mask is None and spec.cache is None and spec.cu_seqlens is None,
+        enable_gqa=attn.num_kv_heads != attn.num_heads,
+    )  # (batch, heads, seq, head_dim)
+    return out.transpose(1, 2).reshape(b, s, attn.num_heads * attn.head_dim)
+
+
+def eager_attend(attn: Attention) -> None:
+    """Keep `attend` out of torch.compile for this module: a compiled block then breaks its
+    graph around the in-place KV-cache write and the attention kernel, and fuses everything
+    before and after (projections, norms, RoPE, MLP)."""
+    attn.attend_fn = torch.compiler.disable(attend)
 
 
 def varlen_supported(device: torch.device) -> bool:

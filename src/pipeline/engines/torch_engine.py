@@ -45,6 +45,7 @@ from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.models import CausalLM, KVCache, load_model
 from pipeline.models.attention import eager_attend
+from pipeline.models.fused import fuse_projections
 
 _log = get_logger("engines.torch")
 
@@ -134,6 +135,7 @@ class TorchEngine(Engine):
         self.config = config or TorchEngineConfig()
         cfg = self.config
         self.model = model.eval()
+        fuse_projections(model)  # q/k/v and gate/up as one GEMM each (parameters now views)
         self.device = model.lm_head.weight.device
         self.vocab_size = model.config.vocab_size
         self.cache = KVCache.for_model(

@@ -63,14 +63,22 @@ class Attention(nn.Module):
             self.k_norm = None
         # the engine sets `eager_attend(self)` before compiling a block for decoding
         self.attend_fn: Callable[..., torch.Tensor] = attend
+        # set by `fuse_projections`: q/k/v weights (and biases) as views of one tensor
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec
     ) -> torch.Tensor:
         b, s, _ = x.shape  # (batch, seq, hidden)
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is not None:  # one GEMM instead of three
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([nq, nk, nk], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)

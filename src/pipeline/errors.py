@@ -69,3 +69,14 @@ class InsecureEndpoint(ConfigError):
 
 class JournalError(PipelineError):
     """The controller's run journal is damaged or belongs to another run."""
+
+
+class RankMismatch(ConfigError):
+    """A trainer service was started with another number of ranks than the profile's
+    `services.ROLE.fsdp_size` (torchrun's WORLD_SIZE), or a role that does not shard was
+    started under torchrun."""
+
+
+class RankGroupBroken(PipelineError):
+    """A collective operation failed on rank 0 of a sharded service: the other ranks may be
+    stuck in it, so no further command is sent to them (the service must restart)."""

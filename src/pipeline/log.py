@@ -40,7 +40,9 @@ def configure_logging(*, json_lines: bool | None = None, level: str | None = Non
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level_name, logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # one write per line: the ranks of a torchrun'd trainer share one unbuffered log
+        # file, where print's separate write of the newline lets their lines interleave
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     _configured = True

@@ -265,6 +265,35 @@ class WeightDone(_Wire):
     error: str = ""
 
 
+# ------------------------------------------------------------------ ranks of one service
+
+
+class RankOp(enum.IntEnum):
+    """What rank 0 of a sharded trainer service tells its other ranks to run next."""
+
+    CONTEXT = 1  # the run this service joined (once, after rank 0's handshake)
+    SETUP = 2  # build the sharded model (and resume from checkpoint `step` when >= 0)
+    TRAIN = 3  # one train step on `groups`
+    CHECKPOINT = 4  # save a checkpoint whose JSON `extra` is `text`
+    PUBLISH = 5  # publish the weights as `version` to the engines
+    ANNOTATE = 6  # critic: values and advantages of `groups` (and train when a step is full)
+    CLOSE = 7  # the last save and export
+    STOP = 8  # leave: rank 0 is done
+
+
+class RankCommand(msgspec.Struct, array_like=True, kw_only=True, gc=False, omit_defaults=True):
+    """Rank 0 -> the other ranks of its service, over torch.distributed (not ZeroMQ).
+
+    `groups` are sample groups as wire frames (`codec.encode` of an `Experience`), so the
+    other ranks decode exactly what rank 0 trains on."""
+
+    op: int  # RankOp
+    step: int = 0
+    version: int = 0
+    text: str = ""
+    groups: list[list[bytes]] = []
+
+
 MESSAGE_TYPES: dict[MsgType, type[_Wire]] = {
     cls.TYPE: cls
     for cls in (

@@ -4,7 +4,10 @@ The learner hosts a `WeightHub` at an address derived from the config (like ever
 socket of the run); each rollout replica registers a `WeightReceiver` there. After every
 step the learner publishes the new version in buckets (gloo on CPU, NCCL between GPUs,
 CUDA IPC on a shared GPU); each engine applies it between decode steps and only then
-reports the version as serving.
+reports the version as serving. A sharded learner publishes from every rank (each joins
+the FSDP gathers; rank 0 alone talks to the engines): rank 0 sends its other ranks the
+PUBLISH command first (`runtime/ranks.py`), including for a publish an engine's
+(re)registration starts between steps.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class LearnerWeights:
         )
         self.publisher = WeightPublisher(model, hub=self.hub, config=publish_config(ctx.config))
         self.version = ctx.policy_version  # the version the engines should serve
+        self.ranks = ctx.ranks  # rank 0 of a sharded learner: the other ranks publish too
         self._lock = asyncio.Lock()  # one user of the hub's socket at a time
         self._watch = asyncio.get_running_loop().create_task(self._watch_members())
 
@@ -101,7 +105,10 @@ class LearnerWeights:
         from pipeline.errors import WeightSyncError
 
         try:
-            report = await asyncio.to_thread(self.publisher.publish, version)
+            if self.ranks is None:
+                report = await asyncio.to_thread(self.publisher.publish, version)
+            else:
+                report = await asyncio.to_thread(self._lead_publish, version)
         except WeightSyncError as exc:
             # the old version keeps serving on the engines; the run goes on
             log.error("weight_sync_failed", version=version, error=str(exc))
@@ -111,6 +118,17 @@ class LearnerWeights:
             "sync_gbps": float(report.gbps),
             "sync_bytes": float(report.bytes),
         }
+
+    def _lead_publish(self, version: int) -> Any:
+        from pipeline.errors import WeightSyncError
+        from pipeline.messages import RankCommand, RankOp
+
+        assert self.ranks is not None
+        return self.ranks.lead(
+            RankCommand(op=RankOp.PUBLISH, version=version),
+            lambda: self.publisher.publish(version),
+            agreed=(WeightSyncError,),  # the publisher makes every rank raise it alike
+        )
 
     async def wait_for_engines(self, timeout_s: float) -> None:
         names = await asyncio.to_thread(self.hub.wait_for_members, self.replicas, timeout_s)
@@ -128,6 +146,14 @@ async def make_publisher(ctx: Any, model: torch.nn.Module) -> LearnerWeights | N
     if ctx.config.replicas("rollout") < 1:
         return None
     return LearnerWeights(ctx, model)
+
+
+def follower_publisher(config: PipelineConfig, model: torch.nn.Module) -> Any:
+    """A learner rank other than 0: its part of every publish (the FSDP gathers), with no
+    hub; rank 0 decides, talks to the engines and shares the outcome."""
+    from pipeline.weights import WeightPublisher
+
+    return WeightPublisher(model, hub=None, config=publish_config(config))
 
 
 def start_receiver(ctx: Any, runner: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pipeline import codec
@@ -24,6 +26,13 @@ def group_baseline(group: GroupArrays) -> None:
 class CriticService(Service):
     role = "critic"
     concurrency = 4
+
+    @classmethod
+    def follower(cls, ctx: Any) -> Any:
+        """A critic rank other than 0 (torchrun): the value model's side of rank 0's work."""
+        from pipeline.critic_worker import CriticWorker
+
+        return CriticWorker(ctx)
 
     async def setup(self) -> None:
         self.worker = None

@@ -4,25 +4,50 @@ It is the sink of the data plane: it acknowledges a group only once the step tha
 is done, so a learner that dies before that loses nothing; a group dropped as too stale is
 acknowledged as soon as the controller has been told (it is settled then). Its reports go
 through `StepReports`, which sends them again to a restarted controller until confirmed.
+
+The order of a step is train, checkpoint (with the step's report), publish, report, ack.
+A learner killed after the checkpoint resumes with weights that include the step: it
+acknowledges the step's groups when they are delivered again instead of training them a
+second time, and reports the step again (the controller ignores a step it already has).
+
+Test hook: `PIPELINE_LEARNER_TEST_HOLD="checkpointed@2,reported@4"` parks the learner at
+that point of that step (after the checkpoint; after the report, before the acks) so a
+test can SIGKILL it there. Unset, it costs nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from pipeline import codec
+from pipeline.learner_worker import LearnerWorker, TrainedStep
 from pipeline.messages import StepDone
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group
 from pipeline.step_reports import StepReports
 from pipeline.transport import Delivery
 from pipeline.transport.channel import cancel_and_wait
+
+HOLD_ENV = "PIPELINE_LEARNER_TEST_HOLD"
+
+
+def hold_points(spec: str) -> set[tuple[str, int]]:
+    """`point@step,...` -> {(point, step)}: where the test hook parks the learner."""
+    holds = set()
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        point, _, step = item.partition("@")
+        if point not in ("checkpointed", "reported") or not step.isdigit():
+            raise ValueError(f"{HOLD_ENV}: {item!r} is not checkpointed@<step> or reported@<step>")
+        holds.add((point, int(step)))
+    return holds
 
 
 def staleness(group: GroupArrays, version: int) -> int:
@@ -50,21 +75,97 @@ def batch_stats(groups: list[GroupArrays]) -> dict[str, float]:
 class LearnerService(Service):
     role = "learner"
 
+    @classmethod
+    def follower(cls, ctx: Any) -> LearnerWorker:
+        """A learner rank other than 0 (torchrun): the trainer's side of rank 0's steps."""
+        return LearnerWorker(ctx)
+
     async def setup(self) -> None:
         self.version = self.ctx.policy_version
         self.step = self.version
         self.trainer: Any = None
         self.reports: StepReports | None = None
         self._watch: asyncio.Task[None] | None = None
+        # queue uids of the groups the resumed checkpoint's weights already include
+        self.settled: frozenset[str] = frozenset()
+        self._holds = hold_points(os.environ.get(HOLD_ENV, ""))
         if self.ctx.control is not None:  # not when replaying
             self.reports = StepReports(self.ctx.control)
             self._watch = asyncio.create_task(self.reports.watch())
         if not self.config.run.standin:
-            from pipeline.learner_worker import LearnerWorker
-
+            known = self.ctx.policy_version  # the controller's: steps reported so far
             self.trainer = LearnerWorker(self.ctx)
             await self.trainer.setup()
             self.version = self.step = self.trainer.step
+            if self.trainer.last_step is not None and self.reports is not None:
+                await self.settle(self.trainer.last_step)
+            if self.reports is not None:
+                self._settle_reported()
+            if known > self.step and self.ctx.control is not None:
+                # the checkpoint is older than the last reported step (checkpoint_every > 1,
+                # or 0): those updates are lost, but step numbers and versions go on from the
+                # controller's, so no step is reported twice and staleness stays consistent
+                self.log.warning(
+                    "resumed_behind",
+                    checkpoint_step=self.step,
+                    reported_steps=known,
+                    lost_updates=known - self.step,
+                    hint="set learner.checkpoint_every = 1 to lose none",
+                )
+                self.version = self.step = known
+                self.trainer.relabel(known)
+                self.ctx.control.policy_version = known
+
+    @property
+    def _reported_path(self) -> Path:
+        return Path(self.ctx.run_dir) / "learner" / "reported.jsonl"
+
+    def _note_reported(self, step: int, group_uids: list[str]) -> None:
+        """Durably note a step's groups before reporting it: a learner killed between the
+        report and the acks (with no checkpoint of that step) must not train them again."""
+        if self.ctx.control is None:  # replaying
+            return
+        path = self._reported_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"step": step, "groups": group_uids}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _settle_reported(self) -> None:
+        """Groups of every step reported before a restart: acknowledged, never retrained."""
+        assert self.ctx.input is not None
+        path = self._reported_path
+        if not path.exists():
+            return
+        uids: set[str] = set()
+        for line in path.read_text().splitlines():
+            try:
+                uids.update(json.loads(line)["groups"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by a kill: its step was not reported yet
+        self.settled = self.settled | frozenset(uids)
+        self.ctx.input.mark_done(uids)
+        self.log.info("reported_groups_settled", groups=len(uids))
+
+    async def settle(self, trained: TrainedStep) -> None:
+        """The step the resumed weights end with may not have been reported or acknowledged
+        (killed after its checkpoint): acknowledge its groups instead of training them again,
+        and report it again: a StepDone identical to the first, ignored if it arrived."""
+        assert self.ctx.input is not None and self.ctx.control is not None
+        assert self.reports is not None
+        self.settled = self.settled | frozenset(trained.group_uids)
+        # deliveries from now on are acknowledged by the queue; ones already buffered, in
+        # collect()
+        self.ctx.input.mark_done(self.settled)
+        self.ctx.control.policy_version = self.version
+        await self.reports.step_done(trained.done)
+        self.log.info(
+            "resumed_step_settled",
+            step=trained.done.step,
+            policy_version=trained.done.policy_version,
+            groups=len(self.settled),
+        )
 
     async def collect(
         self,
@@ -78,6 +179,9 @@ class LearnerService(Service):
             try:
                 delivery = await self.ctx.input.get(timeout=0.2)
             except TimeoutError:
+                continue
+            if delivery.uid in self.settled:
+                delivery.ack()  # trained in the step the resumed weights end with
                 continue
             group = read_group(delivery.message)
             if staleness(group, self.version) > bound:
@@ -112,6 +216,18 @@ class LearnerService(Service):
             metrics["tokens_per_s"] = metrics["tokens"] / max(metrics["step_seconds"], 1e-9)
             metrics["staleness_max"] = float(max(lag, default=0))
             metrics["staleness_mean"] = float(np.mean(lag)) if lag else 0.0
+            done = StepDone(
+                step=self.step,
+                policy_version=self.version + 1,
+                trained_uids=[s.uid for g in groups for s in g.samples],
+                dropped_uids=[s.uid for _, g in stale for s in g.samples],
+                metrics=dict(metrics),
+            )
+            if self.trainer is not None:
+                wall = time.time()
+                await self.trainer.checkpoint(TrainedStep(done, [d.uid for d, _ in fresh]))
+                self.span("checkpoint", wall, time.time(), step=self.step)
+            await self._hold("checkpointed", self.step)
             self.step += 1
             self.version += 1
             if self.trainer is not None:
@@ -119,18 +235,18 @@ class LearnerService(Service):
                 metrics.update(await self.trainer.publish(self.version))
                 self.span("weight_sync", wall, time.time(), version=self.version)
             self.ctx.control.policy_version = self.version
-            await self.reports.step_done(
-                StepDone(
-                    step=self.step - 1,
-                    policy_version=self.version,
-                    trained_uids=[s.uid for g in groups for s in g.samples],
-                    dropped_uids=[s.uid for _, g in stale for s in g.samples],
-                    metrics=metrics,
-                )
-            )
+            self._note_reported(done.step, [d.uid for d, _ in fresh])
+            await self.reports.step_done(msgspec.structs.replace(done, metrics=metrics))
             await self.report(self.step - 1, metrics)
+            await self._hold("reported", self.step - 1)
             for delivery, _ in fresh:
                 delivery.ack()
+
+    async def _hold(self, point: str, step: int) -> None:
+        """The test hook (module docstring): park here until killed."""
+        if (point, step) in self._holds:
+            self.log.warning("held_for_test", point=point, step=step, pid=os.getpid())
+            await asyncio.Event().wait()
 
     async def replay(self, messages: list[codec.Message], run_dir: Path) -> list[Output]:
         """Re-run the recorded run's learner exactly: the same groups at the same steps.
@@ -152,6 +268,11 @@ class LearnerService(Service):
             metrics = batch_stats(groups)
             if self.trainer is not None:
                 metrics.update(await self.trainer.train(groups, step))
+                trained = [s.uid for g in groups for s in g.samples]
+                done = StepDone(
+                    step=step, policy_version=step + 1, trained_uids=trained, metrics=metrics
+                )
+                await self.trainer.checkpoint(TrainedStep(done, steps[step]))
             await self.report(step, metrics)
         return []
 

@@ -70,3 +70,17 @@ def test_empty_row_and_terminal_value():
 def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="shapes"):
         compute_gae(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), gamma=1.0, lam=1.0)
+
+
+@pytest.mark.parametrize("rows", [0, 2])
+def test_no_tokens_at_all_gives_empty_advantages(rows):
+    """A rank's shard of a group with fewer samples than ranks has no token axis."""
+    from pipeline.algorithms import compute_vtrace, place_on_last_token
+
+    z, mask = torch.zeros(rows, 0), torch.zeros(rows, 0, dtype=torch.bool)
+    assert place_on_last_token(torch.ones(rows), mask).shape == (rows, 0)
+    for adv, ret in (
+        compute_gae(z, z, mask, gamma=1.0, lam=0.9),
+        compute_vtrace(z, z, z, z, mask, gamma=1.0, lam=0.9, rho_bar=1.0, c_bar=1.0),
+    ):
+        assert adv.shape == ret.shape == (rows, 0)

@@ -24,6 +24,8 @@ def compute_gae(
     dtype = torch.promote_types(rewards.dtype, values.dtype)
     rewards, values = rewards.to(dtype), values.to(dtype)
     valid = mask.bool()  # (batch, seq)
+    if rewards.shape[1] == 0:  # no tokens at all (e.g. a rank's empty shard of a small group)
+        return rewards.new_zeros(rewards.shape), rewards.new_zeros(rewards.shape)
     next_value = rewards.new_zeros(rewards.shape[0])  # (batch,) V at the next valid token
     next_adv = rewards.new_zeros(rewards.shape[0])  # (batch,) advantage at the next valid token
     advantages = []

@@ -61,5 +61,7 @@ def place_on_last_token(scores: Tensor, mask: Tensor) -> Tensor:
     if scores.dim() != 1 or scores.shape[0] != mask.shape[0]:
         raise ValueError(f"expected scores of shape ({mask.shape[0]},), got {tuple(scores.shape)}")
     out = scores.new_zeros(mask.shape)  # (batch, seq)
+    if mask.shape[-1] == 0:  # no tokens at all (e.g. a rank's empty shard of a small group)
+        return out
     out.scatter_(1, last_valid_index(mask).unsqueeze(1), scores.unsqueeze(1))
     return torch.where(mask.bool(), out, 0.0)

@@ -54,6 +54,8 @@ def compute_vtrace(
     dtype = torch.promote_types(rewards.dtype, values.dtype)
     rewards, values = rewards.to(dtype), values.to(dtype)
     valid = mask.bool()  # (batch, seq)
+    if rewards.shape[1] == 0:  # no tokens at all (e.g. a rank's empty shard of a small group)
+        return rewards.new_zeros(rewards.shape), rewards.new_zeros(rewards.shape)
     log_ratio = torch.where(valid, (target_logp - behaviour_logp).to(dtype), 0.0)  # (batch, seq)
     rhos = _truncated_ratio(log_ratio, rho_bar)  # (batch, seq)
     cs = lam * _truncated_ratio(log_ratio, c_bar)  # (batch, seq)

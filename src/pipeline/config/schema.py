@@ -12,6 +12,8 @@ from pipeline.transport.channel import ChannelConfig
 
 ROLES = ("controller", "rollout", "reward", "critic", "learner", "reference")
 QUEUES = ("prompts", "rollouts", "scored", "experience")
+# roles that train with FSDP: fsdp_size > 1 is one torchrun of fsdp_size ranks
+TRAINER_ROLES = ("learner", "critic")
 
 
 @dataclass(frozen=True)

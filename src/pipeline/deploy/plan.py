@@ -16,11 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import PipelineConfig, load_config
-from pipeline.config.schema import ROLES
+from pipeline.config.schema import ROLES, TRAINER_ROLES
 from pipeline.errors import ConfigError
 
-# trainer roles that shard with FSDP; torchrun starts fsdp_size processes for them
-TRAINER_ROLES = ("learner", "critic")
 # the controller port a deployment uses when the profile leaves it at 0 (pick a free one)
 DEFAULT_PORT = 29400
 # torchrun's rendezvous: controller_port + RDZV_OFFSET + index in TRAINER_ROLES

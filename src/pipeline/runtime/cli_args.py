@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import Any, NoReturn
 
 from pipeline.config import PipelineConfig, load_config, parse_override_args
 
@@ -40,13 +42,25 @@ def service_args(role: str, argv: list[str] | None) -> tuple[argparse.Namespace,
 
 
 def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
-    """The thin main() of a data-plane service."""
-    from pipeline.runtime import layout
-    from pipeline.runtime.service import serve
+    """The thin main() of a data-plane service. Under torchrun (a trainer with fsdp_size >
+    1) every rank joins one process group; rank 0 serves, the others follow it."""
+    from pipeline.runtime import layout, ranks
+    from pipeline.runtime.service import follow, serve
     from pipeline.transport.channel import run_async
 
     args, config = service_args(role, argv)
     pin_devices(config, role, args.replica)
+    link = ranks.join(config, role, args.replica)
+    if link is not None and not link.is_leader:
+        released = follow(
+            service_cls,  # type: ignore[arg-type]
+            ranks=link,
+            replica=args.replica,
+            grace_s=config.supervisor.stop_timeout_s,
+        )
+        if not released:
+            _exit(143)  # rank 0 is gone or stuck: no barrier to meet
+        _exit(0, link)
     controller = args.controller or layout.controller_endpoint(config)
     run_async(
         serve(
@@ -55,9 +69,23 @@ def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
             replica=args.replica,
             local_config=config,
             pool=args.pool,
+            ranks=link,
         )
     )
+    if link is not None:
+        _exit(0, link)
     return 0
+
+
+def _exit(code: int, ranks: Any = None) -> NoReturn:
+    """Leave a sharded service's process: together (a barrier), then at once. The normal
+    interpreter exit can abort in c10d's threads ("terminate called without an active
+    exception", SIGABRT) after the work is done, and torchrun would report a failure."""
+    if ranks is not None:
+        ranks.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def pin_devices(config: PipelineConfig, role: str, replica: int) -> None:

@@ -3,7 +3,9 @@
 A service subclass says what it does with one input message (`handle`) or overrides
 `run` for its own loop; `serve` does the rest: hello -> config -> ready with the
 controller, binds its output queue, connects its input queue (recording it if asked),
-and stops cleanly on SIGTERM/SIGINT or the controller's shutdown.
+and stops cleanly on SIGTERM/SIGINT or the controller's shutdown. A sharded trainer
+(torchrun, `runtime/ranks.py`) serves on rank 0; its other ranks `follow` rank 0's
+commands instead.
 
 Delivery is acknowledged along the chain: an input is acknowledged only after every
 output made from it has been acknowledged downstream, so a service that dies loses
@@ -17,17 +19,19 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeline import codec
-from pipeline.config import PipelineConfig, config_from_json
+from pipeline.config import PipelineConfig, config_from_json, config_to_json
 from pipeline.log import bind_process, configure_logging, get_logger
-from pipeline.messages import Hello, Metrics
+from pipeline.messages import Hello, Metrics, RankCommand, RankOp
 from pipeline.recording import QueueRecorder, queue_path
 from pipeline.runtime import layout
+from pipeline.runtime.ranks import RankLink
 from pipeline.transport import ControlClient, Delivery, QueueClient, QueueServer
 from pipeline.transport.channel import cancel_and_wait
 
@@ -46,6 +50,9 @@ class ServiceContext:
     input: QueueClient | None = None
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     policy_version: int = 0
+    # the command channel to the other ranks of a sharded service (on every rank); None
+    # in a single process
+    ranks: RankLink | None = None
 
 
 class MetricsWriter:
@@ -73,6 +80,13 @@ class Service:
         self.log = get_logger(self.role)
         self._ack_waiters: set[asyncio.Future[Any]] = set()
         self.metrics = MetricsWriter(ctx.run_dir / "metrics" / f"{self.role}-{ctx.replica}.jsonl")
+
+    @classmethod
+    def follower(cls, ctx: ServiceContext) -> Any:
+        """What a rank other than 0 of a sharded service runs: an object whose
+        `execute(command)` does its part of each of rank 0's commands (`follow`). None: the
+        role does not shard."""
+        return None
 
     async def setup(self) -> None:
         """Load models and data; runs before the first input is taken."""
@@ -193,9 +207,12 @@ async def serve(
     replica: int,
     local_config: PipelineConfig,
     pool: str | None = None,
+    ranks: RankLink | None = None,
 ) -> None:
     """Run one service replica until the run ends or it is told to stop; `pool` places it
-    on another pool of the run than the role's (`pipeline service ROLE --pool POOL`)."""
+    on another pool of the run than the role's (`pipeline service ROLE --pool POOL`).
+    `ranks`: this is rank 0 of a sharded service; the other ranks get the run's context
+    once the controller answered, and are let go after the teardown."""
     role = service_cls.role
     configure_logging()
     bind_process(service=role, replica=replica)
@@ -230,7 +247,10 @@ async def serve(
         run_dir=Path(answer.run_dir),
         control=control,
         policy_version=answer.policy_version,
+        ranks=ranks,
     )
+    if ranks is not None:
+        await asyncio.to_thread(ranks.lead, context_command(ctx), lambda: None)
     _install_signals(ctx.stop)
     channel = config.queues.channel
     recorder = None
@@ -270,7 +290,11 @@ async def serve(
             await cancel_and_wait([main], timeout=config.supervisor.stop_timeout_s)
     finally:
         stats_task.cancel()
-        await service.teardown()
+        try:
+            await service.teardown()
+        finally:
+            if ranks is not None:
+                await asyncio.to_thread(ranks.stop)
         service.metrics.close()
         for closer in (ctx.input, ctx.output, control):
             if closer is not None:
@@ -278,3 +302,68 @@ async def serve(
         if recorder is not None:
             recorder.close()
         log.info("service_stopped")
+
+
+def context_command(ctx: ServiceContext) -> RankCommand:
+    """The run rank 0 joined, for the other ranks of its service."""
+    run = {"run_id": ctx.run_id, "run_dir": str(ctx.run_dir), "config": config_to_json(ctx.config)}
+    return RankCommand(op=RankOp.CONTEXT, version=ctx.policy_version, text=json.dumps(run))
+
+
+def follow(service_cls: type[Service], *, ranks: RankLink, replica: int, grace_s: float) -> bool:
+    """A rank other than 0 of a sharded service: run rank 0's commands until STOP.
+
+    Returns True when rank 0 let it go, False when it left after a SIGTERM/SIGINT that
+    rank 0 did not follow with STOP within `grace_s`. The commands run on a thread of their
+    own so that signals are seen while it waits in a collective.
+    """
+    role = service_cls.role
+    log = get_logger("follow")
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            first = ranks.receive()
+            if first.op == RankOp.STOP:
+                return
+            if first.op != RankOp.CONTEXT:
+                raise RuntimeError(f"rank 0 sent {RankOp(first.op).name} before the context")
+            run = json.loads(first.text)
+            ctx = ServiceContext(
+                config=config_from_json(run["config"]),
+                role=role,
+                replica=replica,
+                run_id=run["run_id"],
+                run_dir=Path(run["run_dir"]),
+                policy_version=first.version,
+                ranks=ranks,
+            )
+            bind_process(service=role, replica=replica, rank=ranks.rank, run_id=ctx.run_id)
+            worker = service_cls.follower(ctx)
+            log.info("following", rank=ranks.rank, world_size=ranks.world)
+            while (command := ranks.receive()).op != RankOp.STOP:
+                if worker is None:
+                    raise RuntimeError(f"{role} has no follower for {RankOp(command.op).name}")
+                worker.execute(command)
+            log.info("released", rank=ranks.rank)
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            done.set()
+
+    terminated: list[float] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        terminated.append(time.monotonic())
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    threading.Thread(target=loop, name="rank-commands", daemon=True).start()
+    while not done.wait(0.2):
+        if terminated and time.monotonic() - terminated[0] > grace_s:
+            log.warning("left_without_stop", rank=ranks.rank, grace_s=grace_s)
+            return False
+    if failure:
+        raise failure[0]
+    return True

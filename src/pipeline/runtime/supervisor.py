@@ -5,6 +5,11 @@ controller exits by itself, and on Ctrl-C stops every child (SIGTERM, then SIGKI
 the deadline), always by process id. A controller killed by a signal is restarted like
 the others: it resumes the run from its journal and the services rejoin it. One that
 exits with a code of its own (done, stalled, or a bug it would only repeat) ends the run.
+
+A trainer role with `services.ROLE.fsdp_size = N > 1` is one child too: `torchrun
+--standalone --nproc-per-node N` (its own rendezvous on a free local port) over the
+role's service module, whose ranks form one sharded service (`runtime/ranks.py`). Signals
+go to torchrun, which passes them on to its ranks; a restart starts every rank again.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline.config import PipelineConfig
-from pipeline.config.schema import ROLES
+from pipeline.config.schema import ROLES, TRAINER_ROLES
 from pipeline.log import get_logger
 from pipeline.runtime import layout
 
@@ -65,8 +70,8 @@ class Supervisor:
         self.events: list[dict[str, Any]] = []
 
     def _argv(self, child: Child) -> list[str]:
-        args = [sys.executable, "-m", f"services.{child.role}", "--profile", self.profile]
-        args += ["--replica", str(child.replica)]
+        args = [sys.executable, "-m", *launcher_args(self.config, child.role)]
+        args += ["--profile", self.profile, "--replica", str(child.replica)]
         for key, value in self.overrides.items():
             args += [f"--{key}", value]
         return args
@@ -77,6 +82,8 @@ class Supervisor:
         if child.log_file is None:
             child.log_file = open(logs / f"{child.name}.log", "ab")  # noqa: SIM115
         env = dict(os.environ, PIPELINE_LOG_JSON="1", PYTHONUNBUFFERED="1")
+        if trainer_ranks(self.config, child.role) > 1:  # torchrun asks for it, else warns
+            env.setdefault("OMP_NUM_THREADS", str(max(1, self.config.run.torch_threads)))
         child.proc = subprocess.Popen(
             self._argv(child),
             stdout=child.log_file,
@@ -203,6 +210,29 @@ class Supervisor:
                 )
             )
         return code
+
+
+def trainer_ranks(config: PipelineConfig, role: str) -> int:
+    """Processes per replica of `role`: fsdp_size for a trainer, else 1."""
+    if role not in TRAINER_ROLES or role not in config.services:
+        return 1
+    return config.services[role].fsdp_size
+
+
+def launcher_args(config: PipelineConfig, role: str) -> list[str]:
+    """What follows `python -m` to start one replica of `role` on this host: its service
+    module, under torchrun when it is a trainer sharded over fsdp_size ranks."""
+    module = f"services.{role}"
+    ranks = trainer_ranks(config, role)
+    if ranks <= 1:
+        return [module]
+    return [
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "-m",
+        module,
+    ]
 
 
 class _Progress:

@@ -137,6 +137,19 @@ def all_reduce_ints(values: list[int], op: str = "sum") -> list[int]:
     return all_reduce_(t, op).tolist()
 
 
+def gather_strided_rows(local: torch.Tensor, num_rows: int, width: int) -> torch.Tensor:
+    """The whole batch of a per-sample field that each rank computed on its strided shard
+    (`ExperienceBatch.shard`), on every rank: (num_rows, width) from this rank's (n_local,
+    w <= width). Each rank fills its own rows of a zero tensor and the ranks sum them, which
+    is exact."""
+    if not is_distributed():
+        return local
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.zeros(num_rows, width, dtype=local.dtype, device=collective_device())
+    full[rank::world, : local.shape[1]] = local.to(full.device)
+    return all_reduce_(full).cpu()
+
+
 def collective_device() -> torch.device:
     """Where collective tensors must live for the default group's backend."""
     if is_distributed() and _uses_nccl():

@@ -36,12 +36,6 @@ def learning_run(tmp_path_factory) -> Path:
             # KL to the reference as a loss term: logged as kl/k1..k3
             "--algorithm.use_kl_loss",
             "true",
-            # a third of the profile's lr: the early rise (copying -> partial reversal, about
-            # 0.15 -> 0.25 mean reward within 30 steps) then happens in every run; at 3e-3 an
-            # 80-step run sometimes collapses first and recovers only later (seen in 1 of 4
-            # runs on a loaded machine), which made this test flaky
-            "--learner.trainer.lr",
-            "1e-3",
         ],
         cwd=REPO,
         capture_output=True,
@@ -59,7 +53,7 @@ def _steps(run: Path) -> list[dict]:
 def test_reward_goes_up(learning_run):
     rewards = [s["reward_mean"] for s in _steps(learning_run)]
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-20:])
-    # 80 steps at lr 1e-3: three 150-step runs gave +0.10, +0.17, +0.10 (last 20 vs first 10)
+    # 80 of the profile's 500 steps: the rise is clear but its size varies run to run
     assert last > first + 0.05, (first, last)
 
 

@@ -192,10 +192,12 @@ class Controller:
         target = allowed_steps * per_step + len(self.accounting.dropped)
         return max(0, target - self.released_count)
 
-    def next_release(self) -> ReleasedPrompt:
+    def next_release(self, index: int) -> ReleasedPrompt:
+        """The prompt released as the run's `index`-th: its uid is unique by that index
+        (the dataset cursor wraps around, so a record's own uid repeats)."""
         record = self._cursor.next()
         return ReleasedPrompt(
-            uid=f"{self.released_count:06d}:{record.uid}",
+            uid=f"{index:06d}:{record.uid}",
             prompt_text=record.prompt_text,
             data_source=record.data_source,
             ground_truth=record.ground_truth,
@@ -238,7 +240,8 @@ class Controller:
         while True:
             budget = min(self.release_budget(), cap - prompts.unacked)
             if budget > 0:
-                batch = [self.next_release() for _ in range(budget)]
+                first = self.released_count
+                batch = [self.next_release(first + i) for i in range(budget)]
                 self.record(release_record(batch))
                 for released in batch:
                     await prompts.send(*self.encode(released))

@@ -76,18 +76,9 @@ class CriticWorker:
         algorithm = dataclasses.replace(self.config.algorithm, whiten_advantages=False)
         self.trainer = CriticTrainer(str(directory), self.config.critic.trainer, algorithm)
         self.kl_ctrl = make_kl_controller(self.config.algorithm)
-        info = self.trainer.info
-        if info.world_size > 1:
-            from pipeline.learner_worker import sharded_params
+        from pipeline.learner_worker import log_sharding
 
-            total, local = sharded_params(self.trainer.model)
-            self.log.info(
-                "model_sharded",
-                rank=info.rank,
-                world_size=info.world_size,
-                params=total,
-                local_params=local,
-            )
+        log_sharding(self.log, self.trainer)
 
     async def annotate(self, group: GroupArrays) -> None:
         await self._run(

@@ -90,6 +90,20 @@ def sharded_params(model: Any) -> tuple[int, int]:
     return total, local
 
 
+def log_sharding(log: Any, trainer: Any) -> None:
+    """Log what FSDP split when a trainer spans several ranks (`model_sharded`)."""
+    info = trainer.info
+    if info.world_size > 1:
+        total, local = sharded_params(trainer.model)
+        log.info(
+            "model_sharded",
+            rank=info.rank,
+            world_size=info.world_size,
+            params=total,
+            local_params=local,
+        )
+
+
 class LearnerWorker:
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -162,16 +176,7 @@ class LearnerWorker:
         self.trainer = PolicyTrainer(
             str(directory), trainer_config(self.config), self.config.algorithm
         )
-        info = self.trainer.info
-        if info.world_size > 1:
-            total, local = sharded_params(self.trainer.model)
-            self.log.info(
-                "model_sharded",
-                rank=info.rank,
-                world_size=info.world_size,
-                params=total,
-                local_params=local,
-            )
+        log_sharding(self.log, self.trainer)
         loaded = None
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)

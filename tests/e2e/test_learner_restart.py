@@ -41,17 +41,12 @@ def _events(log: Path, name: str) -> list[dict]:
     return out
 
 
-def _parent(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
-def test_a_learner_killed_after_its_checkpoint_trains_no_sample_twice(tmp_path, procs):
-    runs = tmp_path / "runs"
-    cmd = [
+def _run_command(runs: Path, name: str, *extra: str) -> list[str]:
+    """`pipeline run` of the tiny task: STEPS steps of PER_STEP prompts x N_SAMPLES."""
+    return [
         "-m", "pipeline.cli", "run",
         "--profile", str(REPO / "profiles/local-cpu.toml"),
-        "--name", "lrn", "--no-progress",
+        "--name", name, "--no-progress",
         "--run.runs_dir", str(runs),
         "--controller.steps", str(STEPS),
         "--controller.prompts_per_step", str(PER_STEP),
@@ -60,10 +55,20 @@ def test_a_learner_killed_after_its_checkpoint_trains_no_sample_twice(tmp_path, 
         "--rollout.n_samples", str(N_SAMPLES),
         "--services.reward.replicas", "1",
         "--task.warm_start_steps", "0",
-        "--learner.checkpoint_every", "1",
-        "--learner.keep_checkpoints", str(STEPS + 1),
         "--learner.trainer.total_steps", str(STEPS),
+        *extra,
     ]  # fmt: skip
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def test_a_learner_killed_after_its_checkpoint_trains_no_sample_twice(tmp_path, procs):
+    runs = tmp_path / "runs"
+    cmd = _run_command(runs, "lrn", "--learner.checkpoint_every", "1")
+    cmd += ["--learner.keep_checkpoints", str(STEPS + 1)]
     hold = ",".join(f"{point}@{step}" for point, step in HOLDS)
     out = (tmp_path / "run.log").open("wb")
     run = procs.python(
@@ -152,21 +157,7 @@ def test_a_learner_resumed_behind_its_reports_goes_on_numbering_from_the_control
     back unacknowledged, a second time (the learner notes each step's groups durably before
     reporting it): every step reported once, no duplicates."""
     runs = tmp_path / "runs"
-    cmd = [
-        "-m", "pipeline.cli", "run",
-        "--profile", str(REPO / "profiles/local-cpu.toml"),
-        "--name", "behind", "--no-progress",
-        "--run.runs_dir", str(runs),
-        "--controller.steps", str(STEPS),
-        "--controller.prompts_per_step", str(PER_STEP),
-        "--controller.max_inflight_prompts", str(3 * PER_STEP),
-        "--controller.step_timeout_s", "60",
-        "--rollout.n_samples", str(N_SAMPLES),
-        "--services.reward.replicas", "1",
-        "--task.warm_start_steps", "0",
-        "--learner.checkpoint_every", "0",
-        "--learner.trainer.total_steps", str(STEPS),
-    ]  # fmt: skip
+    cmd = _run_command(runs, "behind", "--learner.checkpoint_every", "0")
     out = (tmp_path / "run.log").open("wb")
     run = procs.python(
         *cmd,

@@ -21,7 +21,7 @@ import numpy as np
 from pipeline.learner_worker import groups_to_batch
 from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp
-from pipeline.runtime.ranks import decode_groups, encode_groups
+from pipeline.runtime.ranks import decode_groups, encode_groups, run_collective
 from pipeline.samples import GroupArrays
 
 T = TypeVar("T")
@@ -43,10 +43,7 @@ class CriticWorker:
         """One collective part at a time, on a worker thread (sharded: rank 0 first sends
         the other ranks the command that makes them run the same)."""
         async with self._lock:
-            if self.ranks is None:
-                return await asyncio.to_thread(run)
-            ranks = self.ranks
-            return await asyncio.to_thread(lambda: ranks.lead(command(), run))
+            return await run_collective(self.ranks, run, command)
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""

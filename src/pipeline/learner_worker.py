@@ -14,7 +14,6 @@ groups, each rank training on its strided shard of the step's batch.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import msgspec
 
 from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp, StepDone
-from pipeline.runtime.ranks import decode_groups, encode_groups
+from pipeline.runtime.ranks import decode_groups, encode_groups, run_collective
 from pipeline.samples import GroupArrays
 
 T = TypeVar("T")
@@ -120,12 +119,7 @@ class LearnerWorker:
         self.follows = self.ranks is not None and not self.ranks.is_leader
 
     async def _run(self, run: Callable[[], T], command: Callable[[], RankCommand]) -> T:
-        """Run a collective part on a worker thread; sharded, rank 0 first sends the other
-        ranks the command that makes them run the same."""
-        if self.ranks is None:
-            return await asyncio.to_thread(run)
-        ranks = self.ranks
-        return await asyncio.to_thread(lambda: ranks.lead(command(), run))
+        return await run_collective(self.ranks, run, command)
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""

@@ -25,6 +25,7 @@ filesystem every node sees.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import os
@@ -239,6 +240,16 @@ class RankLink:
         if not self.broken:
             teardown_distributed()
             log.info("rank_left", rank=self.rank)
+
+
+async def run_collective(
+    ranks: RankLink | None, run: Callable[[], T], command: Callable[[], RankCommand]
+) -> T:
+    """Run a trainer's collective part on a worker thread; sharded, rank 0 first sends the
+    other ranks the command (built lazily) that makes them run the same."""
+    if ranks is None:
+        return await asyncio.to_thread(run)
+    return await asyncio.to_thread(lambda: ranks.lead(command(), run))
 
 
 def encode_groups(groups: list[GroupArrays]) -> list[list[bytes]]:

@@ -69,6 +69,5 @@ class ComputeWeights:
             self.active = False
             for i, (p, master) in enumerate(zip(self.params, masters, strict=True)):
                 p.data = master
-                acc, self._grads[i] = self._grads[i], None
-                if acc is not None:
-                    p.grad = acc if p.grad is None else p.grad + acc
+                # inside, every gradient went to the accumulator (p.grad was left None)
+                p.grad, self._grads[i] = self._grads[i], None

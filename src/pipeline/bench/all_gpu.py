@@ -6,7 +6,8 @@
 Order: weight_sync (0.5B, then 7B shape; short), rollout_decode (0.5B), learner_step (0.5B),
 then e2e (a random 0.5B model on `profiles/h200-single.toml`, and on `profiles/h200-x2.toml`
 when two GPUs are visible; BENCH_E2E_STEPS steps each, default 16). A bench whose module is missing is skipped with a
-note; one that fails or runs past its limit is reported and the others still run. Each bench
+note; one that fails or runs past its limit is reported and the others still run (e2e writes
+its figures after each of its runs, so one killed at its limit keeps the runs it finished). Each bench
 gets min(BENCH_TIMEOUT_S (default 240; BENCH_TIMEOUT_S_<BENCH> for one bench, e.g.
 BENCH_TIMEOUT_S_ROLLOUT_DECODE), the time left of BENCH_TOTAL_S (default 570)) seconds, so the
 whole call fits in ten minutes. The figures of each bench go to
@@ -141,8 +142,12 @@ def run_job(job: Job, device: str, limit_s: float, tmp: Path) -> Outcome:
             rc = None
     seconds = time.monotonic() - start
     print(_tail(log_path, 40), flush=True)
-    if rc is None:
-        return Outcome(job, "timeout", seconds, f"killed after {limit_s:.0f} s")
+    if rc is None:  # a bench that writes as it goes (e2e) leaves what it finished
+        partial = _figures(json_path)
+        note = f"killed after {limit_s:.0f} s" + (
+            f"; kept {len(partial)} figures" if partial else ""
+        )
+        return Outcome(job, "timeout", seconds, note, figures=partial)
     if rc != 0:
         return Outcome(job, "failed", seconds, f"exit code {rc}")
     try:
@@ -152,8 +157,15 @@ def run_job(job: Job, device: str, limit_s: float, tmp: Path) -> Outcome:
     return Outcome(job, "ok", seconds, figures=figures)
 
 
+def _figures(path: Path) -> list[dict[str, Any]]:
+    try:
+        return list(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return []
+
+
 def write_results(outcomes: list[Outcome], out: Path) -> dict[str, Path]:
-    """Figures of successful jobs, merged per bench, to <out>/<bench>-<device>.json."""
+    """Figures of finished (or partly finished) jobs, merged per bench, to <out>/<bench>-<device>.json."""
     merged: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for o in outcomes:
         for fig in o.figures:

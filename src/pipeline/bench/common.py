@@ -130,6 +130,11 @@ def emit(figures: Iterable[dict[str, Any]], json_path: str | Path | None = None)
     for f in figs:
         print(json.dumps(f), flush=True)
     if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(figs, indent=1) + "\n")
+        emit_file(figs, json_path)
+
+
+def emit_file(figures: Iterable[dict[str, Any]], json_path: str | Path) -> None:
+    """Write the figures' list to `json_path` (no printing)."""
+    path = Path(json_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([{k: f[k] for k in KEYS} for f in figures], indent=1) + "\n")

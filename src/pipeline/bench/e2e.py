@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import emit, figure
+from pipeline.bench.common import emit, emit_file, figure
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -137,51 +137,60 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here")
     args, extra = ap.parse_known_args(argv)
     levels = [int(x) for x in args.staleness.split(",")]
-    results: dict[int, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
-        if args.shape:
-            extra = [*extra, *shape_model(args.shape, Path(tmp) / "model", args.device)]
-        runs = args.runs_dir or Path(tmp)
-        for level in levels:
-            run_dir = run_one(args.profile, args.steps, level, runs, extra)
-            results[level] = measure(run_dir, args.skip)
-    sync = results.get(0)
-    if sync is None:
+    if 0 not in levels:
         raise SystemExit("the baseline needs staleness 0 in --staleness")
-    bound = sync["samples_per_step"] / max(
-        sync["gen_busy_s_per_step"], sync["train_busy_s_per_step"]
-    )
+    levels = [0, *(x for x in levels if x != 0)]  # the baseline first: partial results stand
     config = {
         "profile": args.profile,
         "shape": args.shape or "profile's model",
         "steps": args.steps,
         "skip": args.skip,
-        "extra": " ".join(extra).replace(str(Path(tempfile.gettempdir())), "$TMP"),
     }
-    # figures of another profile than the default carry its name (h200-x2 next to h200-single)
-    stem = Path(args.profile).stem
-    suffix = "" if stem == "local-cpu" else f"_{stem}"
-    figs = []
+    results: dict[int, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
+        if args.shape:
+            extra = [*extra, *shape_model(args.shape, Path(tmp) / "model", args.device)]
+        config["extra"] = " ".join(extra).replace(str(Path(tempfile.gettempdir())), "$TMP")
+        runs = args.runs_dir or Path(tmp)
+        for level in levels:
+            run_dir = run_one(args.profile, args.steps, level, runs, extra)
+            results[level] = measure(run_dir, args.skip)
+            figs = figures(results, config, args)
+            if args.json is not None:  # after every run: a bench killed at its limit keeps these
+                emit_file(figs, args.json)
     print(f"{'staleness':>9} {'samples/s':>10} {'gen idle':>9} {'train idle':>10}")
     for level, r in results.items():
         print(
             f"{level:>9} {r['samples_per_s']:>10.1f} {r['gen_idle_share']:>9.2f} "
             f"{r['train_idle_share']:>10.2f}"
         )
-        detail = {**config, "staleness": level, **{k: round(v, 6) for k, v in r.items()}}
-        figs.append(
-            figure(
-                "e2e",
-                f"samples_per_s_staleness{level}{suffix}",
-                r["samples_per_s"],
-                baseline="sync_staleness0",
-                baseline_value=sync["samples_per_s"],
-                bound=bound,
-                config=detail,
-                device=device_label(args.device),
-            )
-        )
     emit(figs, args.json)
+
+
+def figures(
+    results: dict[int, dict[str, float]], config: dict[str, Any], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One figure per staleness level run so far, each against the sync (level 0) run."""
+    sync = results[0]
+    bound = sync["samples_per_step"] / max(
+        sync["gen_busy_s_per_step"], sync["train_busy_s_per_step"]
+    )
+    # figures of another profile than the default carry its name (h200-x2 next to h200-single)
+    stem = Path(args.profile).stem
+    suffix = "" if stem == "local-cpu" else f"_{stem}"
+    return [
+        figure(
+            "e2e",
+            f"samples_per_s_staleness{level}{suffix}",
+            r["samples_per_s"],
+            baseline="sync_staleness0",
+            baseline_value=sync["samples_per_s"],
+            bound=bound,
+            config={**config, "staleness": level, **{k: round(v, 6) for k, v in r.items()}},
+            device=device_label(args.device),
+        )
+        for level, r in results.items()
+    ]
 
 
 if __name__ == "__main__":

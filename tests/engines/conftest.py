@@ -20,10 +20,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture
-def make_torch_engine(model_dir: Path) -> Callable[..., TorchEngine]:
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"])
+def make_torch_engine(
+    model_dir: Path, request: pytest.FixtureRequest
+) -> Callable[..., TorchEngine]:
+    """Engines with finished flags read at once (sync) and one step late (overlap, the CUDA
+    default): every behaviour tested holds in both."""
+
     def make(**options) -> TorchEngine:
         options.setdefault("max_seq_len", 128)
+        options.setdefault("overlap", request.param)
         return TorchEngine.from_pretrained(model_dir, config=TorchEngineConfig(**options))
 
     return make

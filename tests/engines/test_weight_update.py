@@ -130,7 +130,9 @@ def test_drain_on_update_finishes_running_samples_on_the_old_weights_first(
             done[out.request_id] = out
         if "r1" not in done:
             assert engine.version == 0 and engine.num_waiting == 1  # held back while draining
-    assert engine.num_running == 0
+    # r2 was admitted, on the new weights, in the step that returned r1 when the engine
+    # learns of finished samples one step late
+    assert engine.num_running == (1 if engine.overlap else 0)
     while engine.has_unfinished():
         done.update((o.request_id, o) for o in engine.step())
     assert engine.version == 1
@@ -222,7 +224,7 @@ def test_update_staged_from_another_thread_lands_whole_between_two_steps(
         engine.add_request(GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=20)))
     outs: list[GenerationOutput] = []
     receiver = threading.Thread(target=engine.update_weights, args=(state.items(), 1))
-    for step in range(20):
+    for step in range(20 + 2 * engine.overlap):  # outputs come two steps late with overlap
         if step == 3:
             receiver.start()  # stages while this thread keeps decoding
         if step == 10:

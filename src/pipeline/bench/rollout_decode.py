@@ -212,7 +212,11 @@ def _prompts(batch: int, prompt: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def run_ours(
-    model_dir: Path, batches: list[int], args: argparse.Namespace, device: torch.device
+    model_dir: Path,
+    batches: list[int],
+    args: argparse.Namespace,
+    device: torch.device,
+    **engine_options: Any,
 ) -> tuple[dict[int, list[float]], dict[str, Any]]:
     from pipeline.engines import GenerationRequest, SamplingParams, TorchEngine, TorchEngineConfig
     from pipeline.models import load_model
@@ -235,6 +239,7 @@ def run_ours(
                 use_cuda_graphs=graphs,
                 compile=compiled,
                 seed=args.seed,
+                **engine_options,
             ),
         )
         prompts = _prompts(b, args.prompt, model.config.vocab_size, args.seed).tolist()
@@ -257,6 +262,7 @@ def run_ours(
             print_profile(
                 lambda engine=engine, requests=requests: engine.generate(requests), device
             )
+        info = {"overlap": engine.overlap, "decode_kernel": engine.cache.decode_kernel}
         engine.close()
         del engine
         free_memory(device)
@@ -266,6 +272,7 @@ def run_ours(
         "cuda_graphs": graphs,
         "engine_compile": compiled,
         "max_prefill_tokens": "batch * prompt",
+        **info,
     }
 
 
@@ -382,6 +389,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         progress(f"model saved; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
         ours, ours_info = run_ours(model_dir, batches, args, device)
         free_memory(device)
+        ablation: dict[int, list[float]] = {}
+        if args.ablate:  # the engine without host overlap and without the decode kernel
+            ablation, _ = run_ours(
+                model_dir, batches, args, device, overlap=False, decode_kernel=False
+            )
+            free_memory(device)
         if args.no_baselines:  # profiling only: no figures without their baselines
             for b, runs in ours.items():
                 progress(f"ours b={b}: {b * args.new / statistics.median(runs):.1f} tokens/s")
@@ -415,6 +428,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             },
             "tokens_per_s": {
                 "ours": round(tps(ours[b]), 1),
+                **(
+                    {"ours_no_overlap_no_decode_kernel": round(tps(ablation[b]), 1)}
+                    if ablation
+                    else {}
+                ),
                 "hf_dynamic": round(tps(hf["dynamic"][b]), 1),
                 "hf_static": round(tps(hf["static"][b]), 1),
             },
@@ -470,6 +488,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--torch-profile", action="store_true", help="print a torch.profiler table")
     ap.add_argument("--no-baselines", action="store_true", help="skip transformers (profiling)")
+    ap.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also time the engine without host overlap and the decode kernel",
+    )
     args = ap.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,6 +7,14 @@ Samples leave as soon as they emit a stop token or reach max_new_tokens, freeing
 for the next waiting sample. Sampling, log-probs, stop detection and lengths stay on the
 device; a step synchronises with the host once, to learn which rows finished.
 
+Host overlap (TorchEngineConfig.overlap, on by default on CUDA): reading the finished flags
+right after launching a step would leave the GPU idle while Python prepares the next one. With
+overlap, a step's flags travel to pinned host memory while the next step is launched, and are
+read after it: a sample that finished at step t stays in the batch one more step as a frozen
+row (its length, tokens and cache no longer change; its KV write goes to the sink column), its
+slot is freed during step t + 1 and its output is returned by step t + 2. Tokens, log-probs and
+versions are the same as without overlap.
+
 Weight updates land between steps. kv_on_update="recompute" (default) re-prefills every
 running sample under the new weights before its next token, so each token tagged with
 version v is exactly a draw from policy v given its prefix; "keep" reuses the cached keys
@@ -36,6 +44,7 @@ import torch
 from pipeline.engines.base import Engine
 from pipeline.engines.cuda_graphs import DecodeGraphs
 from pipeline.engines.errors import InvalidRequestError
+from pipeline.engines.host_copy import HostCopy, copy_to_host
 from pipeline.engines.rng import GumbelNoise, sample_key
 from pipeline.engines.sampling import RowParams, sample
 from pipeline.engines.slot_state import SlotState
@@ -45,6 +54,7 @@ from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.models import CausalLM, KVCache, load_model
 from pipeline.models.attention import eager_attend
+from pipeline.models.decode_attention import decode_kernel_supported
 from pipeline.models.fused import fuse_projections
 
 _log = get_logger("engines.torch")
@@ -69,6 +79,12 @@ class TorchEngineConfig:
     # models.attention.eager_attend) and the sampler, so a decode step is a few fused kernels
     # per layer instead of dozens of small ones; costs a compile at start-up
     compile: bool = False
+    # read a step's finished flags one step late so the host never waits for the device;
+    # None: on for CUDA, off on CPU (where nothing runs asynchronously)
+    overlap: bool | None = None
+    # decode attention by the Triton kernel that reads the KV cache in place (no per-layer
+    # gather of the batch's keys/values); None: wherever it runs (CUDA half precision)
+    decode_kernel: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -97,6 +113,7 @@ class _Sample:
     max_new: int
     slot: int = -1
     admit_clock: int = 0
+    finished: bool = False  # set when its finished flag reaches the host
 
     @property
     def truncates(self) -> bool:
@@ -145,6 +162,13 @@ class TorchEngine(Engine):
             dtype=model.lm_head.weight.dtype,
             device=self.device,
         )
+        supported = decode_kernel_supported(self.cache.k, model.config.num_attention_heads)
+        if cfg.decode_kernel and not supported:
+            raise ConfigError(
+                "decode_kernel needs Triton and a CUDA half-precision KV cache with a power-of-2 "
+                "head_dim >= 16; set it to false or leave it unset (auto)"
+            )
+        self.cache.decode_kernel = supported if cfg.decode_kernel is None else cfg.decode_kernel
         self.state = SlotState(cfg.max_batch, cfg.max_seq_len, self.device)
         self.noise = GumbelNoise(self.vocab_size, self.device)
         self.weights = StagedWeights(model)
@@ -163,6 +187,11 @@ class TorchEngine(Engine):
         self._unfinished: dict[str, int] = {}  # request_id -> samples not yet returned
         self._clock = 0  # steps that produced tokens
         self._paused = False
+        self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
+        # the last launched step: its rows and their finished flags on their way to the host
+        self._inflight: tuple[list[_Sample], HostCopy] | None = None
+        # finished samples whose tokens are on their way to the host
+        self._gathered: list[tuple[list[_Sample], HostCopy]] = []
 
     @classmethod
     def from_pretrained(
@@ -184,7 +213,7 @@ class TorchEngine(Engine):
         return self.weights.version
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._inflight or self._gathered)
 
     @property
     def num_running(self) -> int:
@@ -227,8 +256,18 @@ class TorchEngine(Engine):
     @torch.no_grad()
     def step(self) -> list[GenerationOutput]:
         self._apply_weights_if_due()
-        if self._paused:
-            return []
+        launched = None if self._paused else self._launch()
+        if self.overlap:  # the previous step's flags, read now that this step is queued
+            outputs = self._collect()
+            self._resolve(self._inflight)
+            self._inflight = launched
+            return outputs
+        self._resolve(launched)
+        return self._collect()
+
+    def _launch(self) -> tuple[list[_Sample], HostCopy] | None:
+        """Queue one step (prefill of admitted samples, decode of running ones); its rows and
+        their finished flags, on their way to the host."""
         view = self._running_view()  # samples running before this step's admissions
         admitted = self._admit()
         flags: list[torch.Tensor] = []
@@ -237,12 +276,9 @@ class TorchEngine(Engine):
         if view.samples:
             flags.append(self._decode(view))
         if not flags:
-            return []
+            return None
         self._clock += 1
-        finished_rows = torch.cat(flags).nonzero().squeeze(1).tolist()  # the one host sync
-        k = len(admitted)
-        finished = [admitted[i] if i < k else view.samples[i - k] for i in finished_rows]
-        return self._finish(finished)
+        return [*admitted, *view.samples], copy_to_host(torch.cat(flags))
 
     # -- scheduling ------------------------------------------------------------------------
 
@@ -266,6 +302,8 @@ class TorchEngine(Engine):
             return
         if self.config.drain_on_update and self._running:
             return  # _admit holds new samples back until the running ones finish
+        self._resolve(self._inflight)  # exact token counts of the running samples
+        self._inflight = None
         start = time.perf_counter()
         version = self.weights.apply()
         if self._running and self.config.kv_on_update == "recompute":
@@ -313,6 +351,7 @@ class TorchEngine(Engine):
         st.keys[slots] = torch.tensor([s.key for s in samples], dtype=torch.int32, device=dev)
         st.max_new[slots] = torch.tensor([s.max_new for s in samples], device=dev)
         st.prompt_len[slots] = torch.tensor([len(s.prompt_ids) for s in samples], device=dev)
+        st.done[slots] = False
         st.ensure_stop_width(max(len(s.params.stop_token_ids) for s in samples))
         width = st.stop_ids.shape[1]
         stops = [
@@ -353,7 +392,8 @@ class TorchEngine(Engine):
         st, slots = self.state, view.slots
         last = st.length[slots] - 1  # (b,) position of the newest token, not yet cached
         ids = st.tokens[slots, last][:, None]  # (b, 1)
-        positions = last[:, None]  # (b, 1)
+        # rows that finished but are still in the batch (overlap) write to the sink column
+        positions = torch.where(st.done[slots], -1, last)[:, None]  # (b, 1)
         kv_len = view.max_offset + self._clock
         if self.graphs is not None:
             logits = self.graphs(ids, positions, slots, kv_len)  # (b, vocab)
@@ -366,8 +406,10 @@ class TorchEngine(Engine):
         self, slots: torch.Tensor, logits: torch.Tensor, *, truncate: bool, all_greedy: bool
     ) -> torch.Tensor:
         """Sample each row's next token, record it with its log-prob and version, and flag
-        the rows that finished (stop token or max_new reached)."""
+        the rows that finished at this step (stop token or max_new reached). Rows already
+        done stay frozen: their token lands past their end and their length stays."""
         st = self.state
+        done = st.done[slots]  # (b,)
         length = st.length[slots]  # (b,) column of the new token
         generated = length - st.prompt_len[slots]  # (b,) tokens before this one
         params = RowParams(
@@ -383,9 +425,11 @@ class TorchEngine(Engine):
         st.tokens[slots, length] = tokens
         st.logprobs[slots, length] = logprobs
         st.versions[slots, length] = self.version
-        st.length[slots] = length + 1
+        st.length[slots] = length + (~done).long()
         hit_stop = (tokens[:, None] == st.stop_ids[slots]).any(dim=1)  # (b,)
-        return hit_stop | (generated + 1 >= st.max_new[slots])
+        finished = (hit_stop | (generated + 1 >= st.max_new[slots])) & ~done
+        st.done[slots] = done | finished
+        return finished
 
     def _recompute_kv(self, samples: list[_Sample]) -> None:
         """Rebuild the cached keys/values of running samples under the current weights, in
@@ -416,36 +460,63 @@ class TorchEngine(Engine):
 
     # -- results ---------------------------------------------------------------------------
 
-    def _finish(self, finished: list[_Sample]) -> list[GenerationOutput]:
+    def _resolve(self, launched: tuple[list[_Sample], HostCopy] | None) -> None:
+        """Read a launched step's finished flags: free the slots of the samples that finished
+        and start copying their rows to the host (returned by `_collect`)."""
+        if launched is None:
+            return
+        rows, copy = launched
+        (flags,) = copy.wait()
+        finished = [rows[i] for i in flags.nonzero().squeeze(1).tolist()]
+        finished = [s for s in finished if not s.finished]
         if not finished:
-            return []
+            return
+        st = self.state
         slots = torch.tensor([s.slot for s in finished], device=self.device)
-        end = max(len(s.prompt_ids) + self._generated(s) for s in finished)
-        tokens = self.state.tokens[slots, :end].tolist()
-        logprobs = self.state.logprobs[slots, :end].tolist()
-        versions = self.state.versions[slots, :end].tolist()
-        outputs = []
-        for s, tok, lp, ver in zip(finished, tokens, logprobs, versions, strict=True):
-            lo = len(s.prompt_ids)
-            hi = lo + self._generated(s)
-            out_ids = tok[lo:hi]
-            outputs.append(
-                GenerationOutput(
-                    request_id=s.request_id,
-                    sample_index=s.sample_index,
-                    prompt_ids=s.prompt_ids,
-                    output_ids=out_ids,
-                    logprobs=lp[lo:hi],
-                    token_versions=ver[lo:hi],
-                    finish_reason="stop" if out_ids[-1] in s.params.stop_token_ids else "length",
-                )
+        # an upper bound of their lengths (a finished row stops growing before the clock)
+        end = min(max(len(s.prompt_ids) + self._generated(s) for s in finished), st.tokens.shape[1])
+        self._gathered.append(
+            (
+                finished,
+                copy_to_host(
+                    st.tokens[slots, :end],
+                    st.logprobs[slots, :end],
+                    st.versions[slots, :end],
+                    st.length[slots],
+                ),
             )
+        )
+        for s in finished:  # the gather above is queued before any later write to the slot
+            s.finished = True
             del self._running[s.slot]
             heapq.heappush(self._free, s.slot)
-            left = self._unfinished[s.request_id] - 1
-            if left:
-                self._unfinished[s.request_id] = left
-            else:
-                del self._unfinished[s.request_id]
         self._view = None
+
+    def _collect(self) -> list[GenerationOutput]:
+        """Outputs of the finished samples whose rows have reached the host."""
+        outputs = []
+        for samples, copy in self._gathered:
+            tokens, logprobs, versions, lengths = (t.tolist() for t in copy.wait())
+            for i, s in enumerate(samples):
+                lo, hi = len(s.prompt_ids), lengths[i]
+                out_ids = tokens[i][lo:hi]
+                outputs.append(
+                    GenerationOutput(
+                        request_id=s.request_id,
+                        sample_index=s.sample_index,
+                        prompt_ids=s.prompt_ids,
+                        output_ids=out_ids,
+                        logprobs=logprobs[i][lo:hi],
+                        token_versions=versions[i][lo:hi],
+                        finish_reason=(
+                            "stop" if out_ids[-1] in s.params.stop_token_ids else "length"
+                        ),
+                    )
+                )
+                left = self._unfinished[s.request_id] - 1
+                if left:
+                    self._unfinished[s.request_id] = left
+                else:
+                    del self._unfinished[s.request_id]
+        self._gathered.clear()
         return outputs

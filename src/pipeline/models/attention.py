@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.config import ModelConfig
+from pipeline.models.decode_attention import decode_attention
 from pipeline.models.kv_cache import KVCache
 from pipeline.models.layers import RMSNorm, apply_rope
 
@@ -29,6 +30,8 @@ class AttentionSpec:
     (CUDA, half precision) with no mask at all; set only where `varlen_supported` said so.
     cache/slots/columns/kv_len: set only on the KV-cache path; columns (b, t) are the cache
     columns to write (padding already redirected to the sink) and kv_len the columns to read.
+    decode_lengths (b,): a decode step (t = 1) served by the in-place Triton kernel
+    (models.decode_attention) over each row's first decode_lengths columns, with no mask.
     """
 
     mask: torch.Tensor | None = None
@@ -38,6 +41,7 @@ class AttentionSpec:
     kv_len: int = 0
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    decode_lengths: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -100,6 +104,19 @@ def attend(
             from pipeline.models.masks import packed_causal_mask
 
             spec.mask = packed_causal_mask(spec.cu_seqlens, s)
+    if spec.decode_lengths is not None:
+        assert spec.cache is not None and spec.slots is not None and spec.columns is not None
+        cache, layer = spec.cache, attn.layer_idx
+        cache.write(layer, spec.slots, spec.columns, k, v)
+        out = decode_attention(
+            q[:, 0].to(cache.k.dtype),  # (batch, heads, head_dim)
+            cache.k[layer],
+            cache.v[layer],
+            spec.slots,
+            spec.decode_lengths,
+            spec.kv_len,
+        )
+        return out.to(q.dtype).reshape(b, s, attn.num_heads * attn.head_dim)
     if spec.cache is not None:
         assert spec.slots is not None and spec.columns is not None
         k, v = spec.cache.update(attn.layer_idx, spec.slots, spec.columns, k, v, spec.kv_len)

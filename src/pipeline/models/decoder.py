@@ -133,12 +133,14 @@ class DecoderBase(nn.Module):
     ) -> torch.Tensor:
         if kv_len is None:
             kv_len = cache.kv_len_for(positions)
+        decode = cache.decode_kernel and positions.shape[1] == 1
         spec = AttentionSpec(
-            mask=cached_mask(positions, kv_len),
+            mask=None if decode else cached_mask(positions, kv_len),
             cache=cache,
             slots=slots,
             columns=cache.write_index(positions),
             kv_len=kv_len,
+            decode_lengths=positions[:, 0] + 1 if decode else None,  # padding (-1) reads none
         )
         return self.model(input_ids, positions, spec)
 

@@ -46,6 +46,9 @@ class KVCache:
         shape = (num_layers, num_slots, max_seq_len + 1, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # decode steps (t = 1) attend with the in-place Triton kernel instead of gather + SDPA;
+        # set by the engine where `decode_kernel_supported` says it runs
+        self.decode_kernel = False
 
     @classmethod
     def for_model(
@@ -96,9 +99,20 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k/v (b, t, kv_heads, head_dim) at (slots, columns); return the first kv_len
         columns of those slots, (b, kv_len, kv_heads, head_dim) each, in the input dtype."""
-        rows = slots[:, None].expand_as(columns)  # (b, t)
-        self.k[layer].index_put_((rows, columns), k.to(self.k.dtype))
-        self.v[layer].index_put_((rows, columns), v.to(self.v.dtype))
+        self.write(layer, slots, columns, k, v)
         k_ctx = self.k[layer, slots, :kv_len]  # (b, kv_len, kv_heads, head_dim)
         v_ctx = self.v[layer, slots, :kv_len]
         return k_ctx.to(k.dtype), v_ctx.to(v.dtype)
+
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        columns: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Write k/v (b, t, kv_heads, head_dim) at (slots, columns) of `layer`."""
+        rows = slots[:, None].expand_as(columns)  # (b, t)
+        self.k[layer].index_put_((rows, columns), k.to(self.k.dtype))
+        self.v[layer].index_put_((rows, columns), v.to(self.v.dtype))

@@ -1,0 +1,117 @@
+"""The in-place decode-attention kernel against a float64 reference and inside the engine.
+
+On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1, which must be set before
+Triton compiles anything, hence a subprocess); skipped where Triton is not installed. The
+same checks run compiled on a GPU host (tests marked gpu).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+KERNEL_CHECK = """
+import math, torch
+from pipeline.models.decode_attention import decode_attention, decode_kernel_supported
+
+def reference(q, k, v, slots, lengths):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[2]
+    for i, (slot, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        if n == 0:
+            continue
+        kk = k[slot, :n].double().repeat_interleave(group, dim=1)  # (n, heads, d)
+        vv = v[slot, :n].double().repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[i].double(), kk) / math.sqrt(q.shape[-1])
+        out[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), vv)
+    return out
+
+def check(device, dtype, heads, kv_heads, d, atol):
+    g = torch.Generator().manual_seed(heads * 100 + d)
+    k = torch.randn(6, 400, kv_heads, d, generator=g).to(device, dtype)
+    v = torch.randn(6, 400, kv_heads, d, generator=g).to(device, dtype)
+    q = torch.randn(5, heads, d, generator=g).to(device, dtype)
+    slots = torch.tensor([3, 0, 5, 1, 2], device=device)
+    # empty row, one column, a chunk boundary (128), past two chunks, the whole bucket
+    lengths = torch.tensor([0, 1, 128, 257, 384], device=device)
+    assert decode_kernel_supported(k, heads)
+    out = decode_attention(q, k, v, slots, lengths, 384)
+    assert out.dtype == dtype and out.shape == q.shape
+    want = reference(q.cpu(), k.cpu(), v.cpu(), slots.cpu(), lengths.cpu())
+    err = (out.cpu().double() - want).abs().max().item()
+    assert err < atol, (heads, kv_heads, d, err)
+    assert out[0].abs().max().item() == 0.0  # an empty row reads nothing
+
+for heads, kv_heads, d in [(14, 2, 64), (4, 4, 16), (8, 2, 32)]:
+    check(DEVICE, DTYPE, heads, kv_heads, d, ATOL)
+print("kernel ok")
+"""
+
+ENGINE_CHECK = """
+import sys
+sys.path.insert(0, "tests")
+from pipeline.engines import GenerationRequest, SamplingParams, TorchEngine, TorchEngineConfig
+from engines.helpers import make_model, prompts
+
+def run(decode_kernel):
+    engine = TorchEngine(
+        make_model(),
+        TorchEngineConfig(max_batch=3, max_seq_len=160, overlap=True, decode_kernel=decode_kernel),
+    )
+    assert engine.cache.decode_kernel is decode_kernel
+    batch = prompts(5, [4, 9, 2, 7, 12], seed=5)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=m) for m in (6, 140, 3, 9, 5)]
+    params[1] = SamplingParams(temperature=1.0, max_new_tokens=140, seed=9)
+    return engine.generate(
+        [GenerationRequest(f"r{i}", p, s) for i, (p, s) in enumerate(zip(batch, params))]
+    )
+
+for got, want in zip(run(True), run(False), strict=True):
+    assert got.output_ids == want.output_ids, got.request_id
+    worst = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs))
+    assert worst < 1e-4, (got.request_id, worst)
+print("engine ok")
+"""
+
+
+def _run(script: str, **env: str) -> str:
+    path = os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, **env, "PYTHONPATH": path}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _interpret(script: str) -> str:
+    return _run(script, TRITON_INTERPRET="1")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CPU builds of torch)")
+def test_kernel_matches_float64_attention_under_the_triton_interpreter():
+    prelude = "DEVICE, DTYPE, ATOL = 'cpu', torch.float32, 1e-4\n"
+    script = KERNEL_CHECK.replace("import math, torch\n", "import math, torch\n" + prelude)
+    assert "kernel ok" in _interpret(script)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CPU builds of torch)")
+def test_engine_with_the_kernel_generates_what_the_sdpa_path_does_under_the_interpreter():
+    # continuous batching with overlap: finished rows stay in the batch with length 0
+    assert "engine ok" in _interpret(textwrap.dedent(ENGINE_CHECK))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_matches_float64_attention_in_bf16_on_cuda():
+    prelude = "DEVICE, DTYPE, ATOL = 'cuda', torch.bfloat16, 3e-2\n"
+    script = KERNEL_CHECK.replace("import math, torch\n", "import math, torch\n" + prelude)
+    assert "kernel ok" in _run(script)

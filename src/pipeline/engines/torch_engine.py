@@ -186,6 +186,7 @@ class TorchEngine(Engine):
         self._free: list[int] = list(range(cfg.max_batch))  # min-heap of free slots
         self._unfinished: dict[str, int] = {}  # request_id -> samples not yet returned
         self._clock = 0  # steps that produced tokens
+        self._version_on_device = 0  # the value in self.state.version
         self._paused = False
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         # the last launched step: its rows and their finished flags on their way to the host
@@ -424,7 +425,10 @@ class TorchEngine(Engine):
         )
         st.tokens[slots, length] = tokens
         st.logprobs[slots, length] = logprobs
-        st.versions[slots, length] = self.version
+        if self._version_on_device != self.version:  # a Python int here would copy host to
+            st.version.fill_(self.version)  # device, which synchronises the stream
+            self._version_on_device = self.version
+        st.versions[slots, length] = st.version
         st.length[slots] = length + (~done).long()
         hit_stop = (tokens[:, None] == st.stop_ids[slots]).any(dim=1)  # (b,)
         finished = (hit_stop | (generated + 1 >= st.max_new[slots])) & ~done

@@ -156,7 +156,12 @@ async def start_engine(ctx: Any) -> EngineRunner:
         max_seq_len=config.task.max_prompt_tokens + config.rollout.max_new_tokens + 1,
         seed=config.run.seed + ctx.replica,
         **(
-            {"use_cuda_graphs": config.rollout.cuda_graphs, "compile": config.rollout.compile}
+            {
+                "use_cuda_graphs": config.rollout.cuda_graphs,
+                "compile": config.rollout.compile,
+                "overlap": config.rollout.overlap,
+                "decode_kernel": None if config.rollout.decode_kernel else False,  # None: auto
+            }
             if config.rollout.engine == "torch" and device == "cuda"
             else {}
         ),

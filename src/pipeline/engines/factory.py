@@ -27,7 +27,8 @@ def make_engine(
     """Build an engine over a local HF checkpoint directory.
 
     `options` go to the backend's config: TorchEngineConfig (max_prefill_tokens,
-    drain_on_update, kv_on_update, use_cuda_graphs, compile), HFEngineConfig (static_cache, compile,
+    drain_on_update, kv_on_update, use_cuda_graphs, compile, overlap,
+    decode_kernel), HFEngineConfig (static_cache, compile,
     attn_implementation) or VLLMEngineConfig (gpu_memory_utilization, enforce_eager,
     enable_prefix_caching, llm_kwargs). Backends are imported on demand so that choosing
     one never needs the others' packages.

@@ -5,7 +5,9 @@ with one batched, right-padded prefill that also samples their first token, and 
 one token for every sample that was already running, in one batched forward of t = 1.
 Samples leave as soon as they emit a stop token or reach max_new_tokens, freeing their slot
 for the next waiting sample. Sampling, log-probs, stop detection and lengths stay on the
-device; a step synchronises with the host once, to learn which rows finished.
+device; a step synchronises with the host once, to learn which rows finished. On CUDA in
+half precision a decode step attends with the Triton kernel of models/decode_attention.py,
+which reads each row's cached keys and values in place.
 
 Host overlap (TorchEngineConfig.overlap, on by default on CUDA): reading the finished flags
 right after launching a step would leave the GPU idle while Python prepares the next one. With

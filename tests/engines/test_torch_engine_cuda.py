@@ -96,3 +96,39 @@ def test_compiled_blocks_and_sampler_with_graphs_equal_eager_decode(model_dir):
     eager, fast = results
     for got, want in zip(fast, eager, strict=True):
         assert_same_sample(got, want, atol=1e-4)
+
+
+def test_decode_kernel_in_bf16_generates_what_the_sdpa_path_does(model_dir):
+    """The in-place Triton decode attention inside compiled blocks and CUDA graphs, across a
+    weight update: the samples of the gather + SDPA path, up to bf16 round-off (a near-tie
+    may flip a token, after which the two samples continue differently)."""
+    state = perturbed_state(load_model(model_dir), seed=9)
+    results = []
+    for kernel in (False, True):
+        model = load_model(model_dir, dtype=torch.bfloat16, device="cuda")
+        config = TorchEngineConfig(
+            max_batch=5, max_seq_len=128, use_cuda_graphs=True, compile=True, decode_kernel=kernel
+        )
+        engine = TorchEngine(model, config)
+        assert engine.cache.decode_kernel is kernel and engine.overlap
+        for request in _workload():
+            engine.add_request(request)
+        outs = [out for _ in range(3) for out in engine.step()]
+        engine.update_weights(state.items(), version=1)
+        while engine.has_unfinished():
+            outs.extend(engine.step())
+        results.append(sorted(outs, key=lambda o: (o.request_id, o.sample_index)))
+    sdpa, kernel_outs = results
+    identical = 0
+    for got, want in zip(kernel_outs, sdpa, strict=True):
+        same = 0
+        while same < min(len(got.output_ids), len(want.output_ids)):
+            if got.output_ids[same] != want.output_ids[same]:
+                break
+            same += 1
+        # on the common prefix the log-probs agree to bf16 round-off
+        diff = torch.tensor(got.logprobs[:same]) - torch.tensor(want.logprobs[:same])
+        assert same == 0 or diff.abs().max().item() < 0.1, (got.request_id, diff)
+        assert got.token_versions[:same] == want.token_versions[:same]
+        identical += got.output_ids == want.output_ids
+    assert identical >= len(sdpa) - 2, f"only {identical} of {len(sdpa)} samples identical"

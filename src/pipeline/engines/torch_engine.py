@@ -115,7 +115,6 @@ class _Sample:
     max_new: int
     slot: int = -1
     admit_clock: int = 0
-    finished: bool = False  # set when its finished flag reaches the host
 
     @property
     def truncates(self) -> bool:
@@ -473,14 +472,14 @@ class TorchEngine(Engine):
             return
         rows, copy = launched
         (flags,) = copy.wait()
+        # each row is flagged once, at the step it finished (_emit)
         finished = [rows[i] for i in flags.nonzero().squeeze(1).tolist()]
-        finished = [s for s in finished if not s.finished]
         if not finished:
             return
         st = self.state
         slots = torch.tensor([s.slot for s in finished], device=self.device)
         # an upper bound of their lengths (a finished row stops growing before the clock)
-        end = min(max(len(s.prompt_ids) + self._generated(s) for s in finished), st.tokens.shape[1])
+        end = max(len(s.prompt_ids) + self._generated(s) for s in finished)
         self._gathered.append(
             (
                 finished,
@@ -493,7 +492,6 @@ class TorchEngine(Engine):
             )
         )
         for s in finished:  # the gather above is queued before any later write to the slot
-            s.finished = True
             del self._running[s.slot]
             heapq.heappush(self._free, s.slot)
         self._view = None

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.engines import GenerationRequest, SamplingParams, TorchEngine, TorchEngineConfig
+from pipeline.engines import (
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    TorchEngine,
+    TorchEngineConfig,
+)
 from pipeline.models import load_model
 
 from .helpers import assert_same_sample, perturbed_state, prompts
@@ -50,6 +56,17 @@ def _workload() -> list[GenerationRequest]:
     ]
 
 
+def _run_with_update(engine: TorchEngine, state: dict[str, torch.Tensor]) -> list[GenerationOutput]:
+    """The workload, with a weight update (version 1) after three steps; outputs sorted."""
+    for request in _workload():
+        engine.add_request(request)
+    outs = [out for _ in range(3) for out in engine.step()]
+    engine.update_weights(state.items(), version=1)  # graphs must see the new weights
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return sorted(outs, key=lambda o: (o.request_id, o.sample_index))
+
+
 def test_cuda_engine_matches_cpu_engine_for_greedy_and_seeded_sampling(model_dir):
     cpu = _engine(model_dir, "cpu", max_batch=3).generate(_workload())
     gpu = _engine(model_dir, "cuda", max_batch=3).generate(_workload())
@@ -63,15 +80,9 @@ def test_cuda_graph_decode_equals_eager_decode_across_buckets_and_a_weight_updat
     results = []
     for graphs in (False, True):
         engine = _engine(model_dir, "cuda", max_batch=5, use_cuda_graphs=graphs)
-        for request in _workload():
-            engine.add_request(request)
-        outs = [out for _ in range(3) for out in engine.step()]
-        engine.update_weights(state.items(), version=1)  # graphs must see the new weights
-        while engine.has_unfinished():
-            outs.extend(engine.step())
+        results.append(_run_with_update(engine, state))
         if graphs:
             assert engine.graphs is not None and len(engine.graphs.graphs) >= 3
-        results.append(sorted(outs, key=lambda o: (o.request_id, o.sample_index)))
     eager, graphed = results
     assert any(1 in o.token_versions and 0 in o.token_versions for o in graphed)
     for got, want in zip(graphed, eager, strict=True):
@@ -86,13 +97,7 @@ def test_compiled_blocks_and_sampler_with_graphs_equal_eager_decode(model_dir):
     results = []
     for fast in (False, True):
         engine = _engine(model_dir, "cuda", max_batch=5, use_cuda_graphs=fast, compile=fast)
-        for request in _workload():
-            engine.add_request(request)
-        outs = [out for _ in range(3) for out in engine.step()]
-        engine.update_weights(state.items(), version=1)
-        while engine.has_unfinished():
-            outs.extend(engine.step())
-        results.append(sorted(outs, key=lambda o: (o.request_id, o.sample_index)))
+        results.append(_run_with_update(engine, state))
     eager, fast = results
     for got, want in zip(fast, eager, strict=True):
         assert_same_sample(got, want, atol=1e-4)
@@ -111,13 +116,7 @@ def test_decode_kernel_in_bf16_generates_what_the_sdpa_path_does(model_dir):
         )
         engine = TorchEngine(model, config)
         assert engine.cache.decode_kernel is kernel and engine.overlap
-        for request in _workload():
-            engine.add_request(request)
-        outs = [out for _ in range(3) for out in engine.step()]
-        engine.update_weights(state.items(), version=1)
-        while engine.has_unfinished():
-            outs.extend(engine.step())
-        results.append(sorted(outs, key=lambda o: (o.request_id, o.sample_index)))
+        results.append(_run_with_update(engine, state))
     sdpa, kernel_outs = results
     identical = 0
     for got, want in zip(kernel_outs, sdpa, strict=True):

@@ -29,7 +29,8 @@ class SlotState:
         self.top_k = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.keys = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.done = torch.zeros(num_slots, dtype=torch.bool, device=device)  # finished rows
-        self.version = torch.zeros((), dtype=torch.int32, device=device)  # policy version now
+        # policy version of the weights in use (the engine sets it when it applies weights)
+        self.version = torch.zeros((), dtype=torch.int32, device=device)
         self.stop_ids = torch.full((num_slots, 1), -1, dtype=torch.long, device=device)
 
     def ensure_stop_width(self, width: int) -> None:

@@ -187,7 +187,6 @@ class TorchEngine(Engine):
         self._free: list[int] = list(range(cfg.max_batch))  # min-heap of free slots
         self._unfinished: dict[str, int] = {}  # request_id -> samples not yet returned
         self._clock = 0  # steps that produced tokens
-        self._version_on_device = 0  # the value in self.state.version
         self._paused = False
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
         # the last launched step: its rows and their finished flags on their way to the host
@@ -308,6 +307,7 @@ class TorchEngine(Engine):
         self._inflight = None
         start = time.perf_counter()
         version = self.weights.apply()
+        self.state.version.fill_(version)  # the tag _emit writes per token, kept on the device
         if self._running and self.config.kv_on_update == "recompute":
             self._recompute_kv(list(self._running.values()))
         _log.info(
@@ -426,9 +426,7 @@ class TorchEngine(Engine):
         )
         st.tokens[slots, length] = tokens
         st.logprobs[slots, length] = logprobs
-        if self._version_on_device != self.version:  # a Python int here would copy host to
-            st.version.fill_(self.version)  # device, which synchronises the stream
-            self._version_on_device = self.version
+        # a device scalar: a Python int here would copy host to device and synchronise
         st.versions[slots, length] = st.version
         st.length[slots] = length + (~done).long()
         hit_stop = (tokens[:, None] == st.stop_ids[slots]).any(dim=1)  # (b,)

@@ -104,22 +104,21 @@ def attend(
             from pipeline.models.masks import packed_causal_mask
 
             spec.mask = packed_causal_mask(spec.cu_seqlens, s)
-    if spec.decode_lengths is not None:
-        assert spec.cache is not None and spec.slots is not None and spec.columns is not None
-        cache, layer = spec.cache, attn.layer_idx
-        cache.write(layer, spec.slots, spec.columns, k, v)
-        out = decode_attention(
-            q[:, 0].to(cache.k.dtype),  # (batch, heads, head_dim)
-            cache.k[layer],
-            cache.v[layer],
-            spec.slots,
-            spec.decode_lengths,
-            spec.kv_len,
-        )
-        return out.to(q.dtype).reshape(b, s, attn.num_heads * attn.head_dim)
     if spec.cache is not None:
         assert spec.slots is not None and spec.columns is not None
-        k, v = spec.cache.update(attn.layer_idx, spec.slots, spec.columns, k, v, spec.kv_len)
+        cache, layer = spec.cache, attn.layer_idx
+        cache.write(layer, spec.slots, spec.columns, k, v)
+        if spec.decode_lengths is not None:  # in place, no gather, no mask
+            out = decode_attention(
+                q[:, 0].to(cache.k.dtype),  # (batch, heads, head_dim)
+                cache.k[layer],
+                cache.v[layer],
+                spec.slots,
+                spec.decode_lengths,
+                spec.kv_len,
+            )
+            return out.to(q.dtype).reshape(b, s, attn.num_heads * attn.head_dim)
+        k, v = cache.read(layer, spec.slots, spec.kv_len, q.dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # (batch, heads, seq, head_dim)
         k.transpose(1, 2),  # (batch, kv_heads, kv_seq, head_dim)

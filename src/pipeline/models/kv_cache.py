@@ -88,22 +88,6 @@ class KVCache:
             )
         return max(kv_len, 1)
 
-    def update(
-        self,
-        layer: int,
-        slots: torch.Tensor,
-        columns: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_len: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v (b, t, kv_heads, head_dim) at (slots, columns); return the first kv_len
-        columns of those slots, (b, kv_len, kv_heads, head_dim) each, in the input dtype."""
-        self.write(layer, slots, columns, k, v)
-        k_ctx = self.k[layer, slots, :kv_len]  # (b, kv_len, kv_heads, head_dim)
-        v_ctx = self.v[layer, slots, :kv_len]
-        return k_ctx.to(k.dtype), v_ctx.to(v.dtype)
-
     def write(
         self,
         layer: int,
@@ -116,3 +100,12 @@ class KVCache:
         rows = slots[:, None].expand_as(columns)  # (b, t)
         self.k[layer].index_put_((rows, columns), k.to(self.k.dtype))
         self.v[layer].index_put_((rows, columns), v.to(self.v.dtype))
+
+    def read(
+        self, layer: int, slots: torch.Tensor, kv_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first kv_len columns of `slots` in `layer`, (b, kv_len, kv_heads, head_dim)
+        each, as `dtype` (a gathered copy)."""
+        k_ctx = self.k[layer, slots, :kv_len]
+        v_ctx = self.v[layer, slots, :kv_len]
+        return k_ctx.to(dtype), v_ctx.to(dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipeline.models import ModelConfig, chunked_token_logprobs
@@ -15,7 +16,8 @@ def _reference(hidden, weight, targets, temperature):
     return logp, entropy
 
 
-def test_chunked_logprobs_entropy_and_grads_equal_full_softmax():
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_chunked_logprobs_entropy_and_grads_equal_full_softmax(keep_logits):
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 9, 16, generator=gen, requires_grad=True)
     weight = torch.randn(50, 16, generator=gen, requires_grad=True)
@@ -24,7 +26,13 @@ def test_chunked_logprobs_entropy_and_grads_equal_full_softmax():
     upstream_ent = torch.randn(2, 9, generator=gen)
 
     logp, ent = chunked_token_logprobs(
-        hidden, weight, targets, chunk_tokens=4, temperature=0.7, return_entropy=True
+        hidden,
+        weight,
+        targets,
+        chunk_tokens=4,
+        temperature=0.7,
+        return_entropy=True,
+        keep_logits=keep_logits,
     )  # 18 tokens: chunks of 4, 4, 4, 4, 2
     ((logp * upstream_lp).sum() + (ent * upstream_ent).sum()).backward()
     grads = hidden.grad.clone(), weight.grad.clone()
@@ -57,6 +65,49 @@ def test_chunked_logprobs_saves_no_full_or_chunk_logits_for_backward():
     assert saved, "expected the checkpoint to save its inputs"
     assert max(saved) < chunk * vocab  # only inputs are kept; logits are recomputed per chunk
     assert hidden.grad is not None and weight.grad is not None
+
+
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_gradient_of_logprobs_alone_ignores_the_unused_entropy(keep_logits):
+    """Only log p is differentiated (entropy reported, not trained): the entropy output gets
+    no materialised zero gradient and the gradients are those of log p alone."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(13, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(40, 8, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 40, (13,), generator=gen)
+    up = torch.randn(13, generator=gen)
+    logp, ent = chunked_token_logprobs(
+        hidden, weight, targets, chunk_tokens=5, return_entropy=True, keep_logits=keep_logits
+    )
+    (logp * up).sum().backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref_lp, ref_ent = _reference(hidden, weight, targets, 1.0)
+    (ref_lp * up).sum().backward()
+    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], hidden.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], weight.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_keep_logits_saves_them_for_backward_only_when_differentiated():
+    tokens, vocab, dim = 20, 30, 8
+    hidden = torch.randn(tokens, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp = chunked_token_logprobs(hidden, weight, targets, chunk_tokens=8, keep_logits=True)
+    assert max(saved) == tokens * vocab  # the logits, kept instead of recomputed
+    saved.clear()
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        again = chunked_token_logprobs(hidden, weight, targets, chunk_tokens=8, keep_logits=True)
+    assert saved == []  # nothing will differentiate a no-grad forward: nothing kept
+    torch.testing.assert_close(again, logp.detach())
 
 
 def test_model_token_logprobs_equal_log_softmax_of_forward(family_config: ModelConfig, make_native):

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from pipeline.bench.common import emit, figure, table
+from pipeline.bench.profiling import print_profile
 from pipeline.bench.rollout_decode import (
     SHAPES,
     bench_dtype,
@@ -49,7 +50,12 @@ from pipeline.bench.rollout_decode import (
 )
 
 BENCH = "learner_step"
-H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s of one H200 (SXM), without sparsity
+H200_BF16_PEAK = 989e12
+TRAIN_RANGES = (
+    "train/forward",
+    "train/backward",
+    "train/optimizer",
+)  # marked by TrainEngine  # dense bf16 FLOP/s of one H200 (SXM), without sparsity
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"shape": "0.5b", "batch": 16, "seq": 512},
@@ -80,7 +86,13 @@ def synthetic_batch(
 
 
 # how a batch is pushed through the model, taken from the profile's [learner.trainer]
-PROFILE_KNOBS = ("compile", "padding_free", "max_tokens_per_micro_batch", "logprob_chunk_tokens")
+PROFILE_KNOBS = (
+    "compile",
+    "padding_free",
+    "max_tokens_per_micro_batch",
+    "logprob_chunk_tokens",
+    "logprob_keep_logits",
+)
 
 
 def profile_knobs(path: Path | None) -> dict[str, Any]:
@@ -92,7 +104,25 @@ def profile_knobs(path: Path | None) -> dict[str, Any]:
     return {k: trainer[k] for k in PROFILE_KNOBS if k in trainer}
 
 
-def trainer_config(args: argparse.Namespace, peak: float, *, kl: bool) -> Any:
+def parse_variant(text: str) -> dict[str, Any]:
+    """ "key=value,key=value" of TrainerConfig fields; values parsed as TOML scalars."""
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--variant wants key=value pairs, got {item!r}")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value.strip()  # a bare string such as reduce-overhead
+    return out
+
+
+def trainer_config(
+    args: argparse.Namespace, peak: float, *, kl: bool, overrides: dict[str, Any] | None = None
+) -> Any:
     from pipeline.training import TrainerConfig
 
     fields: dict[str, Any] = {
@@ -111,6 +141,7 @@ def trainer_config(args: argparse.Namespace, peak: float, *, kl: bool) -> Any:
         fields["max_tokens_per_micro_batch"] = args.micro_tokens
     if args.chunk_tokens:
         fields["logprob_chunk_tokens"] = args.chunk_tokens
+    fields.update(overrides or {})
     return TrainerConfig(**fields)
 
 
@@ -122,11 +153,12 @@ def run_ours(
     peak: float,
     *,
     kl: bool,
+    overrides: dict[str, Any] | None = None,
 ) -> tuple[list[float], dict[str, Any]]:
     from pipeline.algorithms import AlgorithmConfig
     from pipeline.training import PolicyTrainer
 
-    config = trainer_config(args, peak, kl=kl)
+    config = trainer_config(args, peak, kl=kl, overrides=overrides)
     algorithm = AlgorithmConfig(advantage_estimator="grpo", use_kl_loss=kl)
     trainer = PolicyTrainer(model_dir, config, algorithm)
     metrics: dict[str, float] = {}
@@ -140,9 +172,8 @@ def run_ours(
     for _ in range(args.steps):
         seconds, metrics = timed(step, device)
         runs.append(seconds)
-    progress(f"ours (kl={kl}): {[round(x, 4) for x in runs]} s")
-    if args.torch_profile:
-        print_profile(step, device)
+    progress(f"ours (kl={kl}, {overrides or 'profile'}): {[round(x, 4) for x in runs]} s")
+    profiled = print_profile(step, device, ranges=TRAIN_RANGES) if args.torch_profile else None
     if metrics.get("actor/skipped_updates", 0.0) > 0:
         raise RuntimeError(f"the trainer skipped its update (non-finite loss): {metrics}")
     # the no-grad proximal forward alone: how much of a step is not forward + backward + step
@@ -155,29 +186,18 @@ def run_ours(
             "max_tokens_per_micro_batch": config.max_tokens_per_micro_batch,
             "padding_free": config.padding_free,
             "logprob_chunk_tokens": config.logprob_chunk_tokens,
+            "logprob_keep_logits": config.logprob_keep_logits,
             "grad_clip": config.grad_clip,
             "compile": config.compile,
+            "compile_mode": config.compile_mode,
             "keep_reference": kl,
             "use_kl_loss": kl,
         },
         "trainer_reported_step_s": round(metrics.get("perf/step_time_s", float("nan")), 5),
         "prox_logprobs_s": round(statistics.median(prox), 5),
+        **({"profile": profiled} if profiled else {}),
     }
     return runs, info
-
-
-def print_profile(step: Any, device: torch.device, rows: int = 30) -> None:
-    """One more step under torch.profiler: where the time goes (device and host)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=rows), flush=True)
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15), flush=True)
 
 
 def run_hf(
@@ -253,6 +273,27 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         ours, ours_info = run_ours(model_dir, experience, args, device, peak, kl=False)
         free_memory(device)
+        variants: dict[str, list[float]] = {}
+        variant_info: dict[str, Any] = {}
+        for text in args.variant:
+            name = f"ours[{text}]"
+            try:
+                runs, vinfo = run_ours(
+                    model_dir,
+                    experience,
+                    args,
+                    device,
+                    peak,
+                    kl=False,
+                    overrides=parse_variant(text),
+                )
+            except Exception as exc:  # a variant is an experiment: report it, keep the rest
+                progress(f"{name} failed: {type(exc).__name__}: {exc}")
+                variant_info[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            else:
+                variants[name] = runs
+                variant_info[name] = {k: vinfo[k] for k in ("trainer", "profile") if k in vinfo}
+            free_memory(device)
         ours_kl: list[float] | None = None
         if args.kl:
             ours_kl, _ = run_ours(model_dir, experience, args, device, peak, kl=True)
@@ -287,16 +328,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "timing": "median wall seconds of one train_step / training step, device drained",
         "seconds": {
             "ours": [round(s, 5) for s in ours],
+            **{k: [round(s, 5) for s in v] for k, v in variants.items()},
             **({"ours_kl": [round(s, 5) for s in ours_kl]} if ours_kl else {}),
             **{f"hf_{k}": [round(s, 5) for s in v] for k, v in hf.items()},
         },
         "tokens_per_s": {
             "ours": round(tps(ours), 1),
+            **{k: round(tps(v), 1) for k, v in variants.items()},
             **({"ours_kl": round(tps(ours_kl), 1)} if ours_kl else {}),
             **{f"hf_{k}": round(tps(v), 1) for k, v in hf.items()},
         },
         "mfu": {
             "ours": round(mfu(ours), 4),
+            **{k: round(mfu(v), 4) for k, v in variants.items()},
             **{f"hf_{k}": round(mfu(v), 4) for k, v in hf.items()},
         },
         "mfu_formula": "6 * params * batch * seq / seconds / peak_flops",
@@ -308,6 +352,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "algorithm": "grpo advantages given, ppo clip 0.2, no KL loss, entropy not trained",
         "torch": torch.__version__,
         **{k: v for k, v in ours_info.items() if k != "params"},
+        **({"variants": variant_info} if variant_info else {}),
         **hf_info,
     }
     bound_tps = rate / flops_per_token
@@ -391,6 +436,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--padded", action="store_true", help="trainer.padding_free=false")
     ap.add_argument("--micro-tokens", type=int, default=None, help="max_tokens_per_micro_batch")
     ap.add_argument("--chunk-tokens", type=int, default=None, help="logprob_chunk_tokens")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="also time the trainer with these TrainerConfig overrides (repeatable); reported "
+        "next to ours in the same run",
+    )
     args = ap.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from pipeline.bench.common import cpu_device, emit, figure, table
+from pipeline.bench.profiling import print_profile
 from pipeline.bench.shapes import SHAPES
 from pipeline.models import CausalLM, ModelConfig, save_model
 
@@ -274,19 +275,6 @@ def run_ours(
         "max_prefill_tokens": "batch * prompt",
         **info,
     }
-
-
-def print_profile(fn: Callable[[], Any], device: torch.device, rows: int = 25) -> None:
-    """One more call under torch.profiler: where the time goes (device and host)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-        sync(device)
-    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=rows), flush=True)
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows), flush=True)
 
 
 def run_hf(

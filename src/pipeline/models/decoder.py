@@ -218,6 +218,7 @@ class CausalLM(DecoderBase):
         chunk_tokens: int = 1024,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        keep_logits: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """log p(target_ids) (b, s) float32 (and entropy) in one FSDP-hooked call.
 
@@ -238,6 +239,7 @@ class CausalLM(DecoderBase):
             chunk_tokens=chunk_tokens,
             temperature=temperature,
             return_entropy=return_entropy,
+            keep_logits=keep_logits,
         )
 
     @torch.no_grad()

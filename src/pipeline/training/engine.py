@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from pipeline.algorithms import LossAggMode
 from pipeline.log import get_logger
@@ -91,7 +92,7 @@ def place_model(
         for block in model.model.layers:
             block.activation_checkpointing = config.activation_checkpointing and trainable  # type: ignore[union-attr]
         if config.compile:  # one compiled region for the whole trunk: less host overhead
-            model.model.compile()
+            model.model.compile(mode=config.compile_mode)
     return model
 
 
@@ -192,16 +193,21 @@ class TrainEngine:
                     for mb, weight, share in zip(
                         plan.micro_batches, plan.weights, plan.shares, strict=True
                     ):
-                        loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
-                        if loss is None:
-                            anchor.backward()
-                            continue
-                        (loss * weight).backward()
+                        with record_function("train/forward"):
+                            loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
+                        with record_function("train/backward"):
+                            if loss is None:
+                                anchor.backward()
+                                continue
+                            (loss * weight).backward()
+                            if self._compute is not None:  # into the float32 accumulators
+                                self._compute.flush()
                         bad |= ~torch.isfinite(loss.detach())
                         stats.local_tokens += mb.num_tokens
                         for key, value in metrics.items():
                             sums.add(key, value * share)
-                outcome = self.apply_gradients(bool(bad), empty=plan.global_units == 0)
+                with record_function("train/optimizer"):
+                    outcome = self.apply_gradients(bool(bad), empty=plan.global_units == 0)
                 stats.updates += 1
                 stats.skipped += int(outcome.skipped)
                 if not outcome.skipped:

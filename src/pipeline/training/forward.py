@@ -25,6 +25,7 @@ def micro_logprobs(
     chunk_tokens: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    keep_logits: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """(logp (m, r), entropy (m, r) or None, anchor) for a micro-batch.
 
@@ -44,6 +45,7 @@ def micro_logprobs(
             chunk_tokens=chunk_tokens,
             temperature=temperature,
             return_entropy=with_entropy,
+            keep_logits=keep_logits,
         )
     if with_entropy:
         logp_all, ent_all = out  # type: ignore[misc]

@@ -224,6 +224,7 @@ class PolicyTrainer:
             chunk_tokens=cfg.logprob_chunk_tokens,
             temperature=cfg.temperature,
             with_entropy=True,
+            keep_logits=cfg.logprob_keep_logits,
         )
         if host.is_empty:
             return None, anchor, {}

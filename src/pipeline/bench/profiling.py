@@ -1,0 +1,81 @@
+"""`--torch-profile` of the benches: one more call under torch.profiler, printed as two
+tables (by device time, by host time) and a one-line JSON summary of where the wall time
+went: device busy time (union of kernel intervals), kernel launches, host syncs, and the
+host time of each `record_function` range the code under test marks (e.g. the trainer's
+train/forward, train/backward, train/optimizer)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def summarize(prof: Any, wall_s: float, ranges: Sequence[str]) -> dict[str, Any]:
+    """Wall vs device-busy time, launches and syncs, host ms per marked range."""
+    kernels: list[tuple[float, float]] = []
+    range_ms: dict[str, float] = {r: 0.0 for r in ranges}
+    calls: dict[str, int] = {}
+    counted = ("cudaLaunchKernel", "cuLaunchKernel", "cudaStreamSynchronize", "cudaMemcpyAsync")
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append((ev.time_range.start, ev.time_range.end))
+            continue
+        if ev.name in range_ms:
+            range_ms[ev.name] += (ev.time_range.end - ev.time_range.start) / 1e3
+        for name in counted:
+            if ev.name.startswith(name):
+                calls[name] = calls.get(name, 0) + 1
+    busy_ms = _busy_us(kernels) / 1e3
+    return {
+        "wall_ms": round(wall_s * 1e3, 2),
+        "device_busy_ms": round(busy_ms, 2),
+        "device_idle_ms": round(wall_s * 1e3 - busy_ms, 2),
+        "kernels": len(kernels),
+        "host_calls": calls,
+        "host_ms_per_range": {k: round(v, 2) for k, v in range_ms.items()},
+    }
+
+
+def print_profile(
+    fn: Callable[[], Any],
+    device: torch.device,
+    *,
+    rows: int = 25,
+    ranges: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Run `fn` once under torch.profiler; print the tables and the summary, return it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=rows), flush=True)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows), flush=True)
+    summary = summarize(prof, wall, ranges)
+    print("profile_summary " + json.dumps(summary), flush=True)
+    return summary

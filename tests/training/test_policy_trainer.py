@@ -23,8 +23,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("policy") / "model")
 
 
-def test_nan_loss_skips_update_keeps_weights_and_adam_state_and_counts_it(model_dir: Path):
-    trainer = PolicyTrainer(model_dir, CONFIG.replace(mini_batches=1), AlgorithmConfig())
+# fused: AdamW's fused kernel (CPU has one too) clips and skips on the device, and the host
+# reads the outcome after the step was queued (TrainEngine.queue_update)
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["host-skip", "device-skip"])
+
+
+@FUSED
+def test_nan_loss_skips_update_keeps_weights_and_adam_state_and_counts_it(
+    model_dir: Path, fused: bool
+):
+    config = CONFIG.replace(mini_batches=1, fused_optimizer=fused)
+    trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
     before = state_of(trainer.model)
     batch = make_batch(seed=0)
     adv = batch.advantages.clone()
@@ -43,8 +52,9 @@ def test_nan_loss_skips_update_keeps_weights_and_adam_state_and_counts_it(model_
     assert good["actor/skipped_updates"] == 0 and trainer.engine.optimizer_steps == 1
 
 
-def test_infinite_gradient_with_finite_loss_skips_update(model_dir: Path):
-    trainer = PolicyTrainer(model_dir, CONFIG, AlgorithmConfig())
+@FUSED
+def test_infinite_gradient_with_finite_loss_skips_update(model_dir: Path, fused: bool):
+    trainer = PolicyTrainer(model_dir, CONFIG.replace(fused_optimizer=fused), AlgorithmConfig())
     before = state_of(trainer.model)
     weight = trainer.model.model.layers[0].mlp.up_proj.weight
     handle = weight.register_hook(lambda g: g * float("inf"))
@@ -54,6 +64,27 @@ def test_infinite_gradient_with_finite_loss_skips_update(model_dir: Path):
     assert math.isfinite(metrics["actor/loss"])
     for name, value in state_of(trainer.model).items():
         assert torch.equal(value, before[name]), name
+
+
+def test_device_side_clip_and_schedule_update_like_the_host_side_ones(model_dir: Path):
+    """Two mini-batches (two optimizer steps per train step) under a warmup schedule and a
+    clip that binds: the fused kernel's device-side clip, with the schedule stepped when the
+    host settles each update, leaves the weights of the host-side clip and step."""
+    config = CONFIG.replace(grad_clip=0.05, schedule="linear", warmup_steps=2, total_steps=10)
+    states, metrics = [], []
+    for fused in (False, True):
+        trainer = PolicyTrainer(model_dir, config.replace(fused_optimizer=fused), AlgorithmConfig())
+        assert trainer.engine.optimizer.param_groups[0]["fused"] == fused
+        for seed in (4, 5):
+            m = trainer.train_step(make_batch(seed=seed))
+        assert trainer.engine.optimizer_steps == 4 and m["actor/skipped_updates"] == 0
+        states.append(state_of(trainer.model))
+        metrics.append(m)
+    assert metrics[0]["actor/grad_norm"] > 0.05  # the clip binds
+    assert metrics[1]["actor/grad_norm"] == pytest.approx(metrics[0]["actor/grad_norm"], rel=1e-5)
+    assert metrics[1]["actor/lr"] == metrics[0]["actor/lr"]
+    for name, value in states[0].items():
+        torch.testing.assert_close(states[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_step_reports_losses_kl_per_estimator_mismatch_and_throughput(model_dir: Path):

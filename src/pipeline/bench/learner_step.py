@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from pipeline.bench.common import emit, figure, table
-from pipeline.bench.profiling import print_profile
+from pipeline.bench.profiling import print_profile, sync_sites
 from pipeline.bench.rollout_decode import (
     SHAPES,
     bench_dtype,
@@ -173,7 +173,8 @@ def run_ours(
         seconds, metrics = timed(step, device)
         runs.append(seconds)
     progress(f"ours (kl={kl}, {overrides or 'profile'}): {[round(x, 4) for x in runs]} s")
-    profiled = print_profile(step, device, ranges=TRAIN_RANGES) if args.torch_profile else None
+    profiled = print_profile(step, device, rows=50, ranges=TRAIN_RANGES) if args.torch_profile else None
+    syncs = sync_sites(step, device) if args.sync_debug else None
     if metrics.get("actor/skipped_updates", 0.0) > 0:
         raise RuntimeError(f"the trainer skipped its update (non-finite loss): {metrics}")
     # the no-grad proximal forward alone: how much of a step is not forward + backward + step
@@ -196,6 +197,7 @@ def run_ours(
         "trainer_reported_step_s": round(metrics.get("perf/step_time_s", float("nan")), 5),
         "prox_logprobs_s": round(statistics.median(prox), 5),
         **({"profile": profiled} if profiled else {}),
+        **({"sync_sites": syncs} if syncs is not None else {}),
     }
     return runs, info
 
@@ -292,7 +294,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 variant_info[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             else:
                 variants[name] = runs
-                variant_info[name] = {k: vinfo[k] for k in ("trainer", "profile") if k in vinfo}
+                keep = ("trainer", "profile", "sync_sites")
+                variant_info[name] = {k: vinfo[k] for k in keep if k in vinfo}
             free_memory(device)
         ours_kl: list[float] | None = None
         if args.kl:
@@ -420,6 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled HF baseline")
     ap.add_argument("--kl", action="store_true", help="also time the KL-loss variant")
     ap.add_argument("--torch-profile", action="store_true", help="print a torch.profiler table")
+    ap.add_argument(
+        "--sync-debug", action="store_true", help="list where a step makes the host wait (CUDA)"
+    )
     ap.add_argument(
         "--profile",
         type=Path,

@@ -79,3 +79,27 @@ def print_profile(
     summary = summarize(prof, wall, ranges)
     print("profile_summary " + json.dumps(summary), flush=True)
     return summary
+
+
+def sync_sites(fn: Callable[[], Any], device: torch.device, *, top: int = 20) -> dict[str, int]:
+    """Run `fn` once with CUDA's sync debug mode on: every operation that makes the host wait
+    for the device warns. Returns (and prints) the count per source line."""
+    import collections
+    import warnings
+
+    if device.type != "cuda":
+        return {}
+    counts: collections.Counter[str] = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            counts[f"{w.filename}:{w.lineno}"] += 1
+    sites = dict(counts.most_common(top))
+    print("sync_sites " + json.dumps(sites), flush=True)
+    return sites

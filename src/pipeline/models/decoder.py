@@ -107,17 +107,24 @@ class DecoderBase(nn.Module):
         return self.model(input_ids, position_ids, spec)
 
     def _packed(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
+        """max_seqlen given: the caller vouches that cu_seqlens covers all of input_ids and
+        that no sequence is longer, so nothing is read back from the device."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"packed input_ids must be (1, total), got {tuple(input_ids.shape)}")
         cu = cu_seqlens.to(input_ids.device)
         total = input_ids.shape[1]
         if varlen_supported(input_ids.device):
-            if int(cu[-1]) < total:  # tail padding: one more sequence of its own
-                cu = torch.cat([cu, cu.new_tensor([total])])
-            longest = int((cu[1:] - cu[:-1]).max())
-            spec = AttentionSpec(cu_seqlens=cu, max_seqlen=longest)
+            if max_seqlen is None:  # two host syncs
+                if int(cu[-1]) < total:  # tail padding: one more sequence of its own
+                    cu = torch.cat([cu, cu.new_tensor([total])])
+                max_seqlen = int((cu[1:] - cu[:-1]).max())
+            spec = AttentionSpec(cu_seqlens=cu, max_seqlen=max_seqlen)
             return self.model(input_ids, position_ids, spec)
         return self.model(
             input_ids, position_ids, AttentionSpec(mask=packed_causal_mask(cu, total))
@@ -197,15 +204,23 @@ class CausalLM(DecoderBase):
         return self._dense(input_ids, position_ids, attention_mask)
 
     def forward_packed(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Logits (1, total, vocab) for sequences packed into one row (no padding compute)."""
-        return self.lm_head(self._packed(input_ids, position_ids, cu_seqlens))
+        return self.lm_head(self._packed(input_ids, position_ids, cu_seqlens, max_seqlen))
 
     def hidden_states_packed(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        return self._packed(input_ids, position_ids, cu_seqlens)  # (1, total, hidden)
+        return self._packed(input_ids, position_ids, cu_seqlens, max_seqlen)  # (1, total, hidden)
 
     def token_logprobs(
         self,
@@ -215,6 +230,7 @@ class CausalLM(DecoderBase):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
         chunk_tokens: int = 1024,
         temperature: float = 1.0,
         return_entropy: bool = False,
@@ -229,7 +245,7 @@ class CausalLM(DecoderBase):
         if cu_seqlens is not None:
             if position_ids is None:
                 raise ValueError("packed token_logprobs needs position_ids")
-            hidden = self._packed(input_ids, position_ids, cu_seqlens)
+            hidden = self._packed(input_ids, position_ids, cu_seqlens, max_seqlen)
         else:
             hidden = self._dense(input_ids, position_ids, attention_mask)
         return chunked_token_logprobs(

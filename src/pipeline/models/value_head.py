@@ -41,8 +41,12 @@ class ValueModel(DecoderBase):
         return self.score(hidden).squeeze(-1).float()
 
     def forward_packed(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        """Values (1, total) for packed sequences."""
-        hidden = self._packed(input_ids, position_ids, cu_seqlens)  # (1, total, hidden)
+        """Values (1, total) for packed sequences (max_seqlen: see `_packed`)."""
+        hidden = self._packed(input_ids, position_ids, cu_seqlens, max_seqlen)  # (1, total, hidden)
         return self.score(hidden).squeeze(-1).float()

@@ -36,6 +36,9 @@ class TrainerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     grad_clip: float | None = 1.0  # None: no clipping (the norm is still reported)
+    # AdamW's fused kernel: None = on CUDA for an unsharded model. Fused, the clip and the
+    # skip of a non-finite update happen on the device, with no host sync before the step
+    fused_optimizer: bool | None = None
     # schedule (in optimizer steps; total_steps is needed by linear/cosine)
     schedule: Schedule = "constant"
     warmup_steps: int = 0

@@ -33,7 +33,13 @@ from pipeline.training.distributed import (
 from pipeline.training.export import export_hf
 from pipeline.training.metrics import MetricSums
 from pipeline.training.micro_batching import MicroBatch, plan_step
-from pipeline.training.optim import build_optimizer, build_scheduler, clip_grad_norm
+from pipeline.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm,
+    guarded_step,
+    is_fused,
+)
 from pipeline.training.precision import ComputeWeights
 
 
@@ -59,6 +65,12 @@ class EpochStats:
     skipped: int = 0
     grad_norms: list[float] = field(default_factory=list)  # of applied updates
     local_tokens: int = 0  # prompt + response tokens this rank pushed through backward
+
+    def count(self, outcome: UpdateOutcome) -> None:
+        self.updates += 1
+        self.skipped += int(outcome.skipped)
+        if not outcome.skipped:
+            self.grad_norms.append(outcome.grad_norm)
 
 
 def place_model(
@@ -116,6 +128,9 @@ class TrainEngine:
         )
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
+        # one process with the fused kernel: clip and skip on the device (queue_update)
+        self._device_updates = is_fused(self.optimizer) and not is_distributed()
+        self._queued: tuple[Tensor, Tensor, Tensor] | None = None  # norm, skipped, bad loss
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.train_steps = 0  # train_step calls completed (the trainer's step counter)
@@ -137,19 +152,47 @@ class TrainEngine:
         any_bad = all_reduce_ints([int(local_nonfinite)], "max")[0] > 0
         grad_norm = float(norm)
         skipped = any_bad or not torch.isfinite(norm).item()
+        if not skipped and not empty:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if empty and not skipped:  # nothing to learn from: no step, no schedule move
+            return UpdateOutcome(grad_norm=grad_norm, skipped=False, lr=self.lr)
+        return self._record(grad_norm, skipped=skipped, nonfinite_loss=any_bad)
+
+    def queue_update(self, nonfinite_loss: Tensor) -> None:
+        """`apply_gradients` without a host sync (fused optimizer, one process): clip and the
+        non-finite skip run on the device; `settle` reads the outcome and steps the schedule.
+        The host can so queue the next micro-batches while the device still runs this one."""
+        self.settle_pending_into(None)  # the schedule must move before this step reads lr
+        norm, skipped = guarded_step(
+            self.optimizer, self.model.parameters(), self.config.grad_clip, nonfinite_loss
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        self._queued = (norm, skipped, nonfinite_loss)
+
+    def settle_pending_into(self, stats: EpochStats | None) -> None:
+        """Read the queued update's outcome (one host sync), count it, step the schedule."""
+        if self._queued is None:
+            return
+        norm, skipped_flag, bad = self._queued
+        self._queued = None
+        grad_norm, flag, bad_loss = torch.stack([norm.float(), skipped_flag, bad.float()]).tolist()
+        outcome = self._record(grad_norm, skipped=flag > 0, nonfinite_loss=bad_loss > 0)
+        if stats is not None:
+            stats.count(outcome)
+
+    def _record(self, grad_norm: float, *, skipped: bool, nonfinite_loss: bool) -> UpdateOutcome:
         if skipped:
             self.skipped_steps += 1
             self.log.warning(
                 "skipping optimizer step: non-finite loss or gradient",
-                nonfinite_loss=any_bad,
+                nonfinite_loss=nonfinite_loss,
                 grad_norm=grad_norm,
                 skipped_total=self.skipped_steps,
             )
-        elif not empty:
-            self.optimizer.step()
+        else:
             self.scheduler.step()
             self.optimizer_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
         return UpdateOutcome(grad_norm=grad_norm, skipped=skipped, lr=self.lr)
 
     def epoch_order(self, n: int, epoch: int) -> list[int]:
@@ -207,11 +250,12 @@ class TrainEngine:
                         for key, value in metrics.items():
                             sums.add(key, value * share)
                 with record_function("train/optimizer"):
-                    outcome = self.apply_gradients(bool(bad), empty=plan.global_units == 0)
-                stats.updates += 1
-                stats.skipped += int(outcome.skipped)
-                if not outcome.skipped:
-                    stats.grad_norms.append(outcome.grad_norm)
+                    if self._device_updates and plan.global_units > 0:
+                        self.settle_pending_into(stats)
+                        self.queue_update(bad)
+                    else:
+                        stats.count(self.apply_gradients(bool(bad), empty=plan.global_units == 0))
+        self.settle_pending_into(stats)
         return stats
 
     # -- checkpoints ------------------------------------------------------------------

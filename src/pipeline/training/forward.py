@@ -42,6 +42,7 @@ def micro_logprobs(
             position_ids=mb.position_ids,
             attention_mask=mb.attention_mask,
             cu_seqlens=mb.cu_seqlens,
+            max_seqlen=mb.max_seqlen or None,
             chunk_tokens=chunk_tokens,
             temperature=temperature,
             return_entropy=with_entropy,
@@ -62,7 +63,9 @@ def micro_logprobs(
 def micro_values(model: ValueModel, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     """(values (m, r) before each response token, anchor) for a micro-batch."""
     if mb.cu_seqlens is not None:
-        per_position = model.forward_packed(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+        per_position = model.forward_packed(
+            mb.input_ids, mb.position_ids, mb.cu_seqlens, max_seqlen=mb.max_seqlen or None
+        )
     else:
         per_position = model(mb.input_ids, mb.position_ids, mb.attention_mask)
     anchor = per_position.sum() * 0.0

@@ -1,11 +1,14 @@
 """Metric sums kept on-device during a step and reduced across ranks in one collective.
 
-Adding detached tensors (not floats) avoids a host sync per micro-batch; the key set is
-fixed up front because ranks must all-reduce identical vectors.
+Adding detached tensors (not floats) avoids a host sync per micro-batch; host values
+(Python numbers, CPU tensors) are summed on the host and join the device sums only in
+`reduce`, so no add ever waits for the device. The key set is fixed up front because ranks
+must all-reduce identical vectors.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -33,25 +36,50 @@ class MetricSums:
         self._maxes = {
             k: torch.full((), -torch.inf, dtype=torch.float64, device=device) for k in self.max_keys
         }
+        self._host_sums = dict.fromkeys(self.sum_keys, 0.0)
+        self._host_maxes = dict.fromkeys(self.max_keys, -math.inf)
+
+    def _on_device(self, value: Tensor | float) -> bool:
+        return isinstance(value, Tensor) and value.device.type != "cpu"
 
     def add(self, key: str, value: Tensor | float) -> None:
         if key not in self._sums:
             raise KeyError(f"metric {key!r} was not declared; declared: {self.sum_keys}")
-        self._sums[key] += torch.as_tensor(value).detach().to(self._sums[key])
+        if self._on_device(value):
+            self._sums[key] += value.detach().to(self._sums[key])  # type: ignore[union-attr]
+        else:
+            self._host_sums[key] += float(value)
 
     def max(self, key: str, value: Tensor | float) -> None:
         if key not in self._maxes:
             raise KeyError(f"metric {key!r} was not declared as a max; declared: {self.max_keys}")
-        v = torch.as_tensor(value).detach().to(self._maxes[key])
-        self._maxes[key] = torch.maximum(self._maxes[key], v)
+        if self._on_device(value):
+            v = value.detach().to(self._maxes[key])  # type: ignore[union-attr]
+            self._maxes[key] = torch.maximum(self._maxes[key], v)
+        else:
+            self._host_maxes[key] = max(self._host_maxes[key], float(value))
+
+    @staticmethod
+    def _vectors(device_values: list[Tensor], host_values: list[float]) -> tuple[Tensor, Tensor]:
+        """(the device values stacked, the host values on the same device)."""
+        vec = torch.stack(device_values)
+        host = torch.tensor(host_values, dtype=torch.float64)
+        return vec, host.to(vec.device, non_blocking=True)
 
     def reduce(self) -> dict[str, float]:
         """Global values (sum over ranks / max over ranks) as floats: one or two collectives."""
         out: dict[str, float] = {}
         if self.sum_keys:
-            vec = all_reduce_(torch.stack([self._sums[k] for k in self.sum_keys]), "sum")
+            vec, host = self._vectors(
+                [self._sums[k] for k in self.sum_keys], [self._host_sums[k] for k in self.sum_keys]
+            )
+            vec = all_reduce_(vec + host, "sum")
             out.update(zip(self.sum_keys, vec.tolist(), strict=True))
         if self.max_keys:
-            vec = all_reduce_(torch.stack([self._maxes[k] for k in self.max_keys]), "max")
+            vec, host = self._vectors(
+                [self._maxes[k] for k in self.max_keys],
+                [self._host_maxes[k] for k in self.max_keys],
+            )
+            vec = all_reduce_(torch.maximum(vec, host), "max")
             out.update(zip(self.max_keys, vec.tolist(), strict=True))
         return out

@@ -50,6 +50,7 @@ class MicroBatch:
     cu_seqlens: Tensor | None = None  # (m + 1,) int64, packed only
     attention_mask: Tensor | None = None  # (m, S), padded only
     num_tokens: int = 0  # real (prompt + response) tokens
+    max_seqlen: int = 0  # packed: the longest sequence, known on the host (no device read)
 
     @property
     def is_empty(self) -> bool:
@@ -78,10 +79,11 @@ class MicroBatch:
             input_ids=mv(self.input_ids),  # type: ignore[arg-type]
             target_ids=mv(self.target_ids),  # type: ignore[arg-type]
             position_ids=mv(self.position_ids),  # type: ignore[arg-type]
-            gather_index=self.gather_index.to(device),
+            gather_index=mv(self.gather_index),  # type: ignore[arg-type]
             cu_seqlens=mv(self.cu_seqlens),
             attention_mask=mv(self.attention_mask),
             num_tokens=self.num_tokens,
+            max_seqlen=self.max_seqlen,
         )
 
 
@@ -109,6 +111,7 @@ def _dummy() -> MicroBatch:
         position_ids=one,
         gather_index=torch.zeros(0, 0, dtype=torch.long),
         cu_seqlens=torch.tensor([0, 1]),
+        max_seqlen=1,
     )
 
 
@@ -134,6 +137,7 @@ def pack_padding_free(batch: ExperienceBatch, indices: Sequence[int]) -> MicroBa
         gather_index=_gather_index(batch, indices, cu[:-1].tolist()),
         cu_seqlens=cu,
         num_tokens=int(cu[-1]),
+        max_seqlen=max(lengths),
     )
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from pipeline.errors import ConfigError
 from pipeline.training.config import TrainerConfig
 
 
@@ -18,12 +19,17 @@ def build_optimizer(model: nn.Module, config: TrainerConfig) -> torch.optim.Adam
 
     On CUDA: the fused kernel for an unsharded model, foreach for FSDP2's DTensor shards; on
     CPU the plain per-parameter loop, which also keeps CPU runs bit-reproducible across
-    checkpoint restarts.
+    checkpoint restarts. `trainer.fused_optimizer` overrides the choice (CPU has a fused
+    kernel too).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     on_cuda = any(p.device.type == "cuda" for p in params)
     sharded = any(isinstance(p, DTensor) for p in params)
     fused = on_cuda and not sharded  # one kernel for all of an unsharded model's params
+    if config.fused_optimizer is not None:
+        if config.fused_optimizer and sharded:
+            raise ConfigError("trainer.fused_optimizer=true needs an unsharded model (one rank)")
+        fused = config.fused_optimizer
     optimizer = torch.optim.AdamW(
         params,
         lr=config.lr,
@@ -96,3 +102,39 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> to
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return norm.detach()
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every group runs the fused kernel (which takes a device-side scale and skip)."""
+    return all(bool(group.get("fused")) for group in optimizer.param_groups)
+
+
+def guarded_step(
+    optimizer: torch.optim.Optimizer,
+    params: Iterable[nn.Parameter],
+    max_norm: float | None,
+    bad: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip and step a fused optimizer with no host sync; returns (total norm, skipped flag)
+    as device scalars for the caller to read later.
+
+    The fused kernel divides every gradient by `grad_scale` (here 1 / the clip coefficient of
+    `clip_grad_norm_`) and, when `found_inf` is set (`bad`, a non-finite loss, or a
+    non-finite norm), leaves parameters, moments and step counts untouched: the skip that
+    `TrainEngine.apply_gradients` decides on the host, decided on the device.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        zero = bad.new_zeros((), dtype=torch.float32)
+        return zero, bad.to(torch.float32)
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    found_inf = (bad | ~torch.isfinite(norm)).to(torch.float32)
+    scale = None
+    if max_norm is not None:
+        scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    optimizer.grad_scale, optimizer.found_inf = scale, found_inf  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale = optimizer.found_inf = None  # type: ignore[attr-defined]
+    return norm.detach(), found_inf

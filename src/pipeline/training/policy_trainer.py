@@ -232,7 +232,7 @@ class PolicyTrainer:
 
         def take(t: Tensor | None) -> Tensor:
             assert t is not None
-            return host.fields(t).to(self.info.device)
+            return host.fields(t).to(self.info.device, non_blocking=True)
 
         mask = take(batch.response_mask)  # (m, r)
         if inputs["prox"] is None:

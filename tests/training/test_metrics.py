@@ -1,0 +1,27 @@
+"""MetricSums: host numbers and tensors add into one reduced value per key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.training.metrics import MetricSums
+
+
+def test_host_numbers_cpu_tensors_and_device_tensors_sum_and_max_together():
+    sums = MetricSums(["a", "b"], ["m"], torch.device("cpu"))
+    sums.add("a", 1.5)  # a Python number: summed on the host
+    sums.add("a", torch.tensor(2.0, dtype=torch.float64))  # a CPU tensor: host too
+    sums.add("b", torch.tensor([3.0]).sum())
+    sums.max("m", -4.0)
+    sums.max("m", torch.tensor(-2.5))
+    sums.max("m", -3.0)
+    assert sums.reduce() == {"a": 3.5, "b": 3.0, "m": -2.5}
+
+
+def test_undeclared_keys_are_errors():
+    sums = MetricSums(["a"], [], torch.device("cpu"))
+    with pytest.raises(KeyError, match="declared"):
+        sums.add("b", 1.0)
+    with pytest.raises(KeyError, match="max"):
+        sums.max("a", 1.0)

@@ -173,7 +173,11 @@ def run_ours(
         seconds, metrics = timed(step, device)
         runs.append(seconds)
     progress(f"ours (kl={kl}, {overrides or 'profile'}): {[round(x, 4) for x in runs]} s")
-    profiled = print_profile(step, device, rows=50, ranges=TRAIN_RANGES) if args.torch_profile else None
+    profiled = (
+        print_profile(step, device, rows=50, ranges=TRAIN_RANGES, trace=args.trace)
+        if args.torch_profile
+        else None
+    )
     syncs = sync_sites(step, device) if args.sync_debug else None
     if metrics.get("actor/skipped_updates", 0.0) > 0:
         raise RuntimeError(f"the trainer skipped its update (non-finite loss): {metrics}")
@@ -423,6 +427,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled HF baseline")
     ap.add_argument("--kl", action="store_true", help="also time the KL-loss variant")
     ap.add_argument("--torch-profile", action="store_true", help="print a torch.profiler table")
+    ap.add_argument(
+        "--trace", default=None, help="with --torch-profile: write the timeline (.json[.gz])"
+    )
     ap.add_argument(
         "--sync-debug", action="store_true", help="list where a step makes the host wait (CUDA)"
     )

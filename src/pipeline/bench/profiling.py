@@ -59,8 +59,10 @@ def print_profile(
     *,
     rows: int = 25,
     ranges: Sequence[str] = (),
+    trace: str | None = None,
 ) -> dict[str, Any]:
-    """Run `fn` once under torch.profiler; print the tables and the summary, return it."""
+    """Run `fn` once under torch.profiler; print the tables and the summary, return it.
+    `trace`: also write the timeline there (Chrome trace JSON, gzipped when it ends .gz)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -76,9 +78,26 @@ def print_profile(
     key = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=rows), flush=True)
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows), flush=True)
+    if trace:
+        _write_trace(prof, trace)
     summary = summarize(prof, wall, ranges)
     print("profile_summary " + json.dumps(summary), flush=True)
     return summary
+
+
+def _write_trace(prof: Any, path: str) -> None:
+    import gzip
+    import os
+    import tempfile
+
+    if not path.endswith(".gz"):
+        prof.export_chrome_trace(path)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
 
 
 def sync_sites(fn: Callable[[], Any], device: torch.device, *, top: int = 20) -> dict[str, int]:

@@ -75,11 +75,11 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec
     ) -> torch.Tensor:
         b, s, _ = x.shape  # (batch, seq, hidden)
-        if self.qkv_weight is not None:  # one GEMM instead of three
-            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([nq, nk, nk], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        weight, bias = self.qkv_weight, self.qkv_bias
+        if weight is None:  # concatenated per call (a few MB): still one GEMM, and one per
+            weight, bias = self._concat_qkv()  # gradient, instead of three narrow ones
+        q, k, v = F.linear(x, weight, bias).split([nq, nk, nk], dim=-1)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
         k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
@@ -89,6 +89,20 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)  # (batch, seq, heads, head_dim)
         k = apply_rope(k, cos, sin)  # (batch, seq, kv_heads, head_dim)
         return self.o_proj(self.attend_fn(self, q, k, v, spec))  # (batch, seq, hidden)
+
+    def _concat_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([m.weight for m in projs])  # (nq + 2 nk, hidden)
+        biases = [m.bias for m in projs]
+        if all(b is None for b in biases):
+            return weight, None
+        bias = torch.cat(
+            [
+                b if b is not None else m.weight.new_zeros(m.out_features)
+                for m, b in zip(projs, biases, strict=True)
+            ]
+        )
+        return weight, bias
 
 
 def attend(

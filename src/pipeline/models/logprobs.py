@@ -32,14 +32,20 @@ from pipeline.log import get_logger
 def _logit_stats(
     logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(log p(target), log-sum-exp, entropy or empty) of (chunk, vocab) logits, float32."""
+    """(log p(target), log-sum-exp, entropy or empty) of (chunk, vocab) logits, float32.
+
+    Two passes over the logits whatever is asked: the row max, then sum(e) and sum(e * z)
+    together (e = exp(z - max)), so H = lse - sum(e * z) / sum(e) needs no third pass.
+    """
     z = logits.float() / temperature
-    lse = torch.logsumexp(z, dim=-1)  # (chunk,)
+    top = z.amax(dim=-1, keepdim=True)  # (chunk, 1)
+    e = torch.exp(z - top)
+    total = e.sum(-1)  # (chunk,)
+    lse = top.squeeze(-1) + torch.log(total)  # (chunk,)
     logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse  # (chunk,)
     if not with_entropy:
         return logp, lse, lse.new_zeros(0)
-    logq = z - lse[:, None]
-    entropy = -(torch.exp(logq) * logq).sum(-1)  # (chunk,)
+    entropy = lse - (e * z).sum(-1) / total  # (chunk,)
     return logp, lse, entropy
 
 

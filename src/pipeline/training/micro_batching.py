@@ -219,9 +219,15 @@ def plan_micro_batches(
 
 def loss_units(mask: Tensor, loss_agg_mode: LossAggMode) -> int:
     """What the loss averages over: valid tokens (token-mean) or sequences with one."""
+    return sum(sample_units(mask, loss_agg_mode))
+
+
+def sample_units(mask: Tensor, loss_agg_mode: LossAggMode) -> list[int]:
+    """Each sample's share of `loss_units`, as host ints: subsets are then summed in Python
+    rather than by indexing the mask once per mini- and micro-batch."""
     if loss_agg_mode == "token-mean":
-        return int(mask.sum())
-    return int(mask.bool().any(dim=-1).sum())
+        return mask.sum(dim=-1).tolist()
+    return mask.bool().any(dim=-1).long().tolist()
 
 
 def micro_batch_weight(local_units: int, global_units: int, world_size: int) -> float:
@@ -286,7 +292,8 @@ def plan_step(
     lengths = batch.seq_lengths
     local_bins = [plan_micro_batches([lengths[i] for i in mini], max_tokens) for mini in minis]
     counts = reduce([len(b) for b in local_bins], "max")
-    units = [loss_units(batch.response_mask[mini], loss_agg_mode) for mini in minis]
+    per_sample = sample_units(batch.response_mask, loss_agg_mode)
+    units = [sum(per_sample[i] for i in mini) for mini in minis]
     global_units = reduce(units, "sum")
     plans = []
     for mini, count, total in zip(minis, counts, global_units, strict=True):
@@ -294,7 +301,7 @@ def plan_step(
         micro, weights, shares = [], [], []
         for b in bins:
             indices = [mini[p] for p in b]
-            local = loss_units(batch.response_mask[indices], loss_agg_mode) if indices else 0
+            local = sum(per_sample[i] for i in indices)
             micro.append(pack(batch, indices, padding_free))
             weights.append(micro_batch_weight(local, total, world_size))
             shares.append(micro_batch_weight(local, total, 1))

@@ -94,6 +94,26 @@ def _first_update_grads(
     return grads
 
 
+def test_bucketed_packing_pads_to_few_shapes_and_scores_the_same_positions():
+    batch = make_batch(seed=3, n=6)
+    indices = [0, 2, 3, 5]
+    plain = pack_padding_free(batch, indices)
+    padded = pack_padding_free(batch, indices, bucket=16)
+    total = plain.num_tokens
+    width = padded.input_ids.shape[1]
+    assert width % 16 == 0 and total <= width < total + 16
+    assert padded.num_tokens == total  # metrics count real tokens only
+    cu = padded.cu_seqlens.tolist()
+    assert len(cu) - 1 == 8  # 4 sequences + the padding one, rounded up to a power of two
+    assert cu[: len(indices) + 1] == plain.cu_seqlens.tolist()
+    assert cu[-1] == width and cu == sorted(cu)  # trailing empty sequences
+    assert padded.max_seqlen == 128  # a power of two, at least 128, bounding every length
+    assert padded.max_seqlen >= plain.max_seqlen
+    assert torch.equal(padded.gather_index, plain.gather_index)
+    assert torch.equal(padded.input_ids[0, :total], plain.input_ids[0])
+    assert torch.equal(padded.position_ids[0, total:], torch.arange(width - total))
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_gradients_do_not_depend_on_micro_batch_budget_or_packing(tmp_path: Path, mode: str):
     from pipeline.models import save_model
@@ -106,9 +126,18 @@ def test_gradients_do_not_depend_on_micro_batch_budget_or_packing(tmp_path: Path
         TrainerConfig(device="cpu", max_tokens_per_micro_batch=10_000),
         algorithm,
     )
-    for budget, padding_free in [(40, True), (9, True), (25, False)]:
+    # the last: packed micro-batches padded to buckets of 16 tokens (CUDA-graph shapes)
+    for budget, padding_free, bucket in [
+        (40, True, 0),
+        (9, True, 0),
+        (25, False, 0),
+        (40, True, 16),
+    ]:
         config = TrainerConfig(
-            device="cpu", max_tokens_per_micro_batch=budget, padding_free=padding_free
+            device="cpu",
+            max_tokens_per_micro_batch=budget,
+            padding_free=padding_free,
+            pack_bucket_tokens=bucket,
         )
         grads = _first_update_grads(tmp_path / "model", config, algorithm)
         for name, grad in grads.items():

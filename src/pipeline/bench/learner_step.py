@@ -92,6 +92,8 @@ PROFILE_KNOBS = (
     "max_tokens_per_micro_batch",
     "logprob_chunk_tokens",
     "logprob_keep_logits",
+    "compile_mode",
+    "pack_bucket_tokens",
 )
 
 
@@ -158,7 +160,9 @@ def run_ours(
     from pipeline.algorithms import AlgorithmConfig
     from pipeline.training import PolicyTrainer
 
-    config = trainer_config(args, peak, kl=kl, overrides=overrides)
+    config = trainer_config(
+        args, peak, kl=kl, overrides={**parse_variant(args.set), **(overrides or {})}
+    )
     algorithm = AlgorithmConfig(advantage_estimator="grpo", use_kl_loss=kl)
     trainer = PolicyTrainer(model_dir, config, algorithm)
     metrics: dict[str, float] = {}
@@ -195,6 +199,7 @@ def run_ours(
             "grad_clip": config.grad_clip,
             "compile": config.compile,
             "compile_mode": config.compile_mode,
+            "pack_bucket_tokens": config.pack_bucket_tokens,
             "keep_reference": kl,
             "use_kl_loss": kl,
         },
@@ -449,6 +454,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--padded", action="store_true", help="trainer.padding_free=false")
     ap.add_argument("--micro-tokens", type=int, default=None, help="max_tokens_per_micro_batch")
     ap.add_argument("--chunk-tokens", type=int, default=None, help="logprob_chunk_tokens")
+    ap.add_argument(
+        "--set",
+        default="",
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="TrainerConfig overrides of ours (after the profile's knobs)",
+    )
     ap.add_argument(
         "--variant",
         action="append",

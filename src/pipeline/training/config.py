@@ -53,6 +53,9 @@ class TrainerConfig:
     max_tokens_per_micro_batch: int = 4096
     infer_max_tokens_per_micro_batch: int = 0  # no-grad forwards; 0: same as training
     padding_free: bool = True
+    # > 0: packed micro-batches padded to a multiple of this many tokens (and cu_seqlens /
+    # max_seqlen to powers of two) so CUDA graphs see few shapes; 0: no padding at all
+    pack_bucket_tokens: int = 0
     shuffle: bool = False  # permute samples each epoch (seeded by seed, step, epoch)
     logprob_chunk_tokens: int = 1024
     # keep a training micro-batch's (tokens, vocab) logits for backward instead of
@@ -118,6 +121,8 @@ class TrainerConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"set {_SECTION}.{key} to an integer >= 1 (got {value!r})")
+        if self.pack_bucket_tokens < 0:
+            raise ConfigError(f"set {_SECTION}.pack_bucket_tokens >= 0 (0: no padding)")
         if self.infer_max_tokens_per_micro_batch < 0:
             raise ConfigError(f"set {_SECTION}.infer_max_tokens_per_micro_batch >= 0 (0: same)")
         if self.logprob_chunk_tokens < 1:

@@ -82,10 +82,15 @@ class CriticTrainer:
         cfg = self.config
         out = torch.zeros(batch.num_samples, batch.max_response_len)  # (n, R)
         plan = plan_forward(
-            batch, cfg.infer_tokens, padding_free=cfg.padding_free, reduce=all_reduce_ints
+            batch,
+            cfg.infer_tokens,
+            padding_free=cfg.padding_free,
+            reduce=all_reduce_ints,
+            bucket=cfg.pack_bucket_tokens,
         )
         with self.engine.compute_weights():
             for mb in plan:
+                self.engine.begin_forward()
                 values, _ = micro_values(self.model, mb.to(self.info.device))
                 if mb.is_empty:
                     continue

@@ -140,6 +140,12 @@ class TrainEngine:
         process (see precision.py); FSDP's mixed-precision policy when sharded."""
         return self._compute() if self._compute is not None else contextlib.nullcontext()
 
+    def begin_forward(self) -> None:
+        """Before each micro-batch forward: under CUDA graphs (compile_mode reduce-overhead)
+        a new step begins, so the previous replay's outputs may be overwritten."""
+        if self.config.compile and self.config.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+
     @property
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
@@ -227,6 +233,7 @@ class TrainEngine:
                     loss_agg_mode=loss_agg_mode,
                     order=self.epoch_order(batch.num_samples, epoch),
                     padding_free=cfg.padding_free,
+                    bucket=cfg.pack_bucket_tokens,
                     world_size=self.info.world_size,
                     reduce=all_reduce_ints,
                 )
@@ -236,6 +243,7 @@ class TrainEngine:
                     for mb, weight, share in zip(
                         plan.micro_batches, plan.weights, plan.shares, strict=True
                     ):
+                        self.begin_forward()
                         with record_function("train/forward"):
                             loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
                         with record_function("train/backward"):

@@ -115,29 +115,53 @@ def _dummy() -> MicroBatch:
     )
 
 
-def pack_padding_free(batch: ExperienceBatch, indices: Sequence[int]) -> MicroBatch:
+def _pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def pack_padding_free(
+    batch: ExperienceBatch, indices: Sequence[int], bucket: int = 0
+) -> MicroBatch:
     """Concatenate the samples into one (1, T) row with cu_seqlens and per-sequence positions.
 
     No padding is computed: attention is block-diagonal causal. Each sequence's last target
     is a placeholder (0) since nothing after it is scored.
+
+    `bucket` > 0 makes the shapes few, for CUDA graphs (compile_mode reduce-overhead records
+    one per distinct shape): T is padded to a multiple of `bucket` by one padding sequence
+    of its own (never gathered), cu_seqlens to a power-of-two count of sequences by empty
+    ones, and max_seqlen is rounded up to a power of two (an upper bound is all attention
+    needs).
     """
     if not indices:
         return _dummy()
     seqs = _sequences(batch, indices)
     lengths = [s.numel() for s in seqs]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long)
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    total = offsets[-1]
     ids = torch.cat(seqs)  # (T,)
     targets = torch.cat([torch.cat([s[1:], s.new_zeros(1)]) for s in seqs])  # (T,)
     positions = torch.cat([torch.arange(n) for n in lengths])  # (T,)
+    longest = max(lengths)
+    if bucket > 0:
+        pad = -total % bucket
+        if pad:
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            targets = torch.cat([targets, targets.new_zeros(pad)])
+            positions = torch.cat([positions, torch.arange(pad)])
+            offsets.append(total + pad)
+        sequences = _pow2(len(offsets) - 1, 8)
+        offsets.extend([offsets[-1]] * (sequences + 1 - len(offsets)))
+        longest = _pow2(max(longest, pad), 128)
     return MicroBatch(
         sample_indices=torch.as_tensor(list(indices), dtype=torch.long),
         input_ids=ids[None],
         target_ids=targets[None],
         position_ids=positions[None],
-        gather_index=_gather_index(batch, indices, cu[:-1].tolist()),
-        cu_seqlens=cu,
-        num_tokens=int(cu[-1]),
-        max_seqlen=max(lengths),
+        gather_index=_gather_index(batch, indices, offsets[: len(seqs)]),
+        cu_seqlens=torch.tensor(offsets, dtype=torch.long),
+        num_tokens=total,
+        max_seqlen=longest,
     )
 
 
@@ -252,8 +276,12 @@ class MiniBatchPlan:
         return sum(mb.num_tokens for mb in self.micro_batches)
 
 
-def pack(batch: ExperienceBatch, indices: Sequence[int], padding_free: bool) -> MicroBatch:
-    return pack_padding_free(batch, indices) if padding_free else pack_padded(batch, indices)
+def pack(
+    batch: ExperienceBatch, indices: Sequence[int], padding_free: bool, bucket: int = 0
+) -> MicroBatch:
+    if padding_free:
+        return pack_padding_free(batch, indices, bucket)
+    return pack_padded(batch, indices)
 
 
 def plan_forward(
@@ -262,13 +290,14 @@ def plan_forward(
     *,
     padding_free: bool = True,
     reduce: IntsReducer = _local_reduce,
+    bucket: int = 0,
 ) -> list[MicroBatch]:
     """Micro-batches covering the whole batch for a no-grad forward (same count on all ranks)."""
     lengths = batch.seq_lengths
     bins = plan_micro_batches(lengths, max_tokens)
     count = reduce([len(bins)], "max")[0]
     bins = plan_micro_batches(lengths, max_tokens, min_count=count)
-    return [pack(batch, b, padding_free) for b in bins]
+    return [pack(batch, b, padding_free, bucket) for b in bins]
 
 
 def plan_step(
@@ -281,6 +310,7 @@ def plan_step(
     padding_free: bool = True,
     world_size: int = 1,
     reduce: IntsReducer = _local_reduce,
+    bucket: int = 0,
 ) -> list[MiniBatchPlan]:
     """Mini-batches (contiguous in `order`) of weighted micro-batches, agreed across ranks.
 
@@ -302,7 +332,7 @@ def plan_step(
         for b in bins:
             indices = [mini[p] for p in b]
             local = sum(per_sample[i] for i in indices)
-            micro.append(pack(batch, indices, padding_free))
+            micro.append(pack(batch, indices, padding_free, bucket))
             weights.append(micro_batch_weight(local, total, world_size))
             shares.append(micro_batch_weight(local, total, 1))
         plans.append(MiniBatchPlan(micro, weights, shares, total))

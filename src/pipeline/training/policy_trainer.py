@@ -141,12 +141,17 @@ class PolicyTrainer:
         cfg = self.config
         out = torch.zeros(batch.num_samples, batch.max_response_len)  # (n, R)
         plan = plan_forward(
-            batch, cfg.infer_tokens, padding_free=cfg.padding_free, reduce=all_reduce_ints
+            batch,
+            cfg.infer_tokens,
+            padding_free=cfg.padding_free,
+            reduce=all_reduce_ints,
+            bucket=cfg.pack_bucket_tokens,
         )
         # the frozen reference is stored in the compute dtype already
         precision = self.engine.compute_weights() if model is self.model else nullcontext()
         with precision:
             for mb in plan:
+                self.engine.begin_forward()
                 logp, _, _ = micro_logprobs(
                     model,
                     mb.to(self.info.device),

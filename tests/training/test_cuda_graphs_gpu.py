@@ -77,4 +77,4 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
     }
     agree = (torch.sign(moved["default"]) == torch.sign(moved["reduce-overhead"])).float().mean()
     assert agree > 0.95, float(agree)
-    assert moved["default"].abs().mean() > 1e-3  # the runs did train
+    assert moved["default"].abs().mean() > 1e-4  # the runs did train (lr 1e-3, 3 steps)

@@ -22,12 +22,16 @@ from pipeline.bench.common import KEYS
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PIPELINE_LOG_LEVEL": "warning"}
 
 
-def run_bench(module: str, tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], list[str]]:
+def run_bench(
+    module: str, tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], list[str]]:
     out_file = tmp_path / f"{module}.json"
     cmd = [sys.executable, "-m", f"pipeline.bench.{module}", "--shape", "tiny"]
     cmd += ["--device", "cpu", "--threads", "1", "--warmup", "1", "--json", str(out_file)]
     cmd += list(extra)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=ENV)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, check=False, env={**ENV, **(env or {})}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     figs = [json.loads(line) for line in lines if line.startswith("{")]
@@ -77,7 +81,13 @@ def test_rollout_decode_tiny_cpu(tmp_path: Path) -> None:
 
 
 def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
-    figs, _ = run_bench("learner_step", tmp_path, "--steps", "2")
+    figs, _ = run_bench(
+        "learner_step",
+        tmp_path,
+        *("--steps", "2", "--set", "pack_bucket_tokens=16"),
+        *("--variant", "logprob_keep_logits=true", "--variant", "no_such_knob=1"),
+        env={"PIPELINE_GIT_SHA": "0123abc"},  # a copied tree's commit, named by the caller
+    )
     assert [f["figure"] for f in figs] == ["tokens_per_s", "tokens_per_s_vs_eager", "mfu"]
     for fig in figs:
         check_common(fig, "learner_step")
@@ -88,8 +98,13 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         assert config["trainer"]["use_kl_loss"] is False
         assert config["hf_compiled"] is False
         assert fig["baseline"] in ("hf_train_step_eager", "hf_train_step_compiled")
-        assert set(config["seconds"]) == {"ours", "hf_eager"}
+        assert fig["git"] == "0123abc"
+        assert config["trainer"]["pack_bucket_tokens"] == 16  # --set reaches ours
+        assert set(config["seconds"]) == {"ours", "ours[logprob_keep_logits=true]", "hf_eager"}
         assert len(config["seconds"]["ours"]) == 2
+        variants = config["variants"]
+        assert variants["ours[logprob_keep_logits=true]"]["trainer"]["logprob_keep_logits"]
+        assert "no_such_knob" in variants["ours[no_such_knob=1]"]["error"]  # reported, not fatal
     tps, _, mfu = figs
     # mfu is tokens/s in units of the peak: 6 * params * tokens/s / peak
     config = mfu["config"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import platform
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -33,7 +34,10 @@ KEYS = (
 
 
 def git_sha() -> str:
-    """`git rev-parse HEAD` of the checkout this module lives in, or "unknown"."""
+    """$PIPELINE_GIT_SHA (for a copied tree whose .git is not current, e.g. a GPU host that
+    receives the working tree), else `git rev-parse HEAD` of this checkout, or "unknown"."""
+    if os.environ.get("PIPELINE_GIT_SHA"):
+        return os.environ["PIPELINE_GIT_SHA"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],

@@ -167,9 +167,11 @@ class TrainEngine:
 
     def queue_update(self, nonfinite_loss: Tensor) -> None:
         """`apply_gradients` without a host sync (fused optimizer, one process): clip and the
-        non-finite skip run on the device; `settle` reads the outcome and steps the schedule.
-        The host can so queue the next micro-batches while the device still runs this one."""
-        self.settle_pending_into(None)  # the schedule must move before this step reads lr
+        non-finite skip run on the device; `settle_pending_into` reads the outcome and steps
+        the schedule. The host so queues the next micro-batches while the device still runs
+        this update. Settle the previous update first: this step reads the schedule's lr."""
+        if self._queued is not None:
+            raise RuntimeError("settle the queued update before queueing another")
         norm, skipped = guarded_step(
             self.optimizer, self.model.parameters(), self.config.grad_clip, nonfinite_loss
         )
@@ -258,8 +260,8 @@ class TrainEngine:
                         for key, value in metrics.items():
                             sums.add(key, value * share)
                 with record_function("train/optimizer"):
+                    self.settle_pending_into(stats)  # the previous update: one host sync
                     if self._device_updates and plan.global_units > 0:
-                        self.settle_pending_into(stats)
                         self.queue_update(bad)
                     else:
                         stats.count(self.apply_gradients(bool(bad), empty=plan.global_units == 0))

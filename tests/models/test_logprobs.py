@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -14,6 +17,19 @@ def _reference(hidden, weight, targets, temperature):
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+@contextlib.contextmanager
+def _saved_sizes() -> Iterator[list[int]]:
+    """The element counts of the tensors autograd saves for backward inside the block."""
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
 
 
 @pytest.mark.parametrize("keep_logits", [False, True])
@@ -53,13 +69,7 @@ def test_chunked_logprobs_saves_no_full_or_chunk_logits_for_backward():
     hidden = torch.randn(tokens, dim, requires_grad=True)
     weight = torch.randn(vocab, dim, requires_grad=True)
     targets = torch.randint(0, vocab, (tokens,))
-    saved: list[int] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _saved_sizes() as saved:
         logp = chunked_token_logprobs(hidden, weight, targets, chunk_tokens=chunk)
     logp.sum().backward()
     assert saved, "expected the checkpoint to save its inputs"
@@ -94,17 +104,10 @@ def test_keep_logits_saves_them_for_backward_only_when_differentiated():
     hidden = torch.randn(tokens, dim, requires_grad=True)
     weight = torch.randn(vocab, dim, requires_grad=True)
     targets = torch.randint(0, vocab, (tokens,))
-    saved: list[int] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _saved_sizes() as saved:
         logp = chunked_token_logprobs(hidden, weight, targets, chunk_tokens=8, keep_logits=True)
     assert max(saved) == tokens * vocab  # the logits, kept instead of recomputed
-    saved.clear()
-    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.no_grad(), _saved_sizes() as saved:
         again = chunked_token_logprobs(hidden, weight, targets, chunk_tokens=8, keep_logits=True)
     assert saved == []  # nothing will differentiate a no-grad forward: nothing kept
     torch.testing.assert_close(again, logp.detach())

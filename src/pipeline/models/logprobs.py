@@ -160,7 +160,6 @@ class _LinearLogprobs(torch.autograd.Function):
 
         if kept is not None:  # d(logits) of all tokens at once, then one GEMM per input
             g = logit_grad(0, n, kept)  # (n, vocab)
-            del kept
             grad_h = g @ weight if want_h else None
             grad_w = g.t() @ hidden if want_w else None  # float32 accumulation inside
             return grad_h, grad_w, None, None, None, None, None

@@ -21,7 +21,7 @@ import numpy as np
 from pipeline.learner_worker import groups_to_batch
 from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp
-from pipeline.runtime.ranks import decode_groups, encode_groups, run_collective
+from pipeline.runtime.ranks import TrainerThread, decode_groups, encode_groups, run_collective
 from pipeline.samples import GroupArrays
 
 T = TypeVar("T")
@@ -38,12 +38,13 @@ class CriticWorker:
         self.steps = 0
         # the other ranks of a sharded critic (None in one process)
         self.ranks = ctx.ranks
+        self.thread = TrainerThread("critic")
 
     async def _run(self, run: Callable[[], T], command: Callable[[], RankCommand]) -> T:
-        """One collective part at a time, on a worker thread (sharded: rank 0 first sends
-        the other ranks the command that makes them run the same)."""
+        """One collective part at a time, on the trainer's thread (sharded: rank 0 first
+        sends the other ranks the command that makes them run the same)."""
         async with self._lock:
-            return await run_collective(self.ranks, run, command)
+            return await run_collective(self.ranks, run, command, self.thread)
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""

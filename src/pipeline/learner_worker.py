@@ -24,7 +24,7 @@ import msgspec
 
 from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp, StepDone
-from pipeline.runtime.ranks import decode_groups, encode_groups, run_collective
+from pipeline.runtime.ranks import TrainerThread, decode_groups, encode_groups, run_collective
 from pipeline.samples import GroupArrays
 
 T = TypeVar("T")
@@ -117,9 +117,10 @@ class LearnerWorker:
         # the other ranks of a sharded learner (None in one process); followers run execute
         self.ranks = ctx.ranks
         self.follows = self.ranks is not None and not self.ranks.is_leader
+        self.thread = TrainerThread("learner")
 
     async def _run(self, run: Callable[[], T], command: Callable[[], RankCommand]) -> T:
-        return await run_collective(self.ranks, run, command)
+        return await run_collective(self.ranks, run, command, self.thread)
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""
@@ -251,6 +252,7 @@ class LearnerWorker:
             lambda: self._close_now(extra),
             lambda: RankCommand(op=RankOp.CLOSE, text=json.dumps(extra)),
         )
+        self.thread.close()
         if self.trainer.step > 0:
             self.log.info("saved", step=self.trainer.step)
 

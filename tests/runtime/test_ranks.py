@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -349,3 +350,18 @@ def test_a_sharded_critic_annotates_like_one_process(tmp_path):
         np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
     late = [k for k in expected if k.startswith("p2/") and k.endswith(":values")]
     assert late and np.abs(expected[late[0]]).sum() > 0
+
+
+async def test_trainer_calls_all_run_on_one_thread_off_the_loop():
+    """CUDA graph trees belong to the thread that recorded them: every call of a worker's
+    trainer must land on the same thread, whatever else used the default pool meanwhile."""
+    thread = ranks.TrainerThread("test-trainer")
+    loop_thread = threading.get_ident()
+    seen = []
+    for _ in range(6):
+        # other work on the loop's default pool keeps several of its threads busy and idle
+        others = [asyncio.to_thread(threading.get_ident) for _ in range(4)]
+        seen.append(await ranks.run_collective(None, threading.get_ident, lambda: None, thread))
+        await asyncio.gather(*others)
+    thread.close()
+    assert len(set(seen)) == 1 and seen[0] != loop_thread

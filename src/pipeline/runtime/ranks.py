@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime
 import os
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import msgspec
@@ -242,14 +244,38 @@ class RankLink:
             log.info("rank_left", rank=self.rank)
 
 
+class TrainerThread:
+    """The one thread that runs every call of a worker's trainer, off the event loop.
+
+    A pool thread per call would do for the arithmetic, but CUDA graph trees
+    (`trainer.compile_mode = "reduce-overhead"`) belong to the thread that recorded them: a
+    trainer hopping between pool threads would record its graphs again, in a new memory pool,
+    on each thread it lands on."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the thread, in a copy of the caller's context (log bindings such as the
+        rank travel with it, as with asyncio.to_thread)."""
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, context.run, fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
 async def run_collective(
-    ranks: RankLink | None, run: Callable[[], T], command: Callable[[], RankCommand]
+    ranks: RankLink | None,
+    run: Callable[[], T],
+    command: Callable[[], RankCommand],
+    thread: TrainerThread,
 ) -> T:
-    """Run a trainer's collective part on a worker thread; sharded, rank 0 first sends the
-    other ranks the command (built lazily) that makes them run the same."""
+    """Run a trainer's collective part on its thread; sharded, rank 0 first sends the other
+    ranks the command (built lazily) that makes them run the same."""
     if ranks is None:
-        return await asyncio.to_thread(run)
-    return await asyncio.to_thread(lambda: ranks.lead(command(), run))
+        return await thread.run(run)
+    return await thread.run(lambda: ranks.lead(command(), run))
 
 
 def encode_groups(groups: list[GroupArrays]) -> list[list[bytes]]:

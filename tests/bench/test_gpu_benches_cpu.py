@@ -84,7 +84,7 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
     figs, _ = run_bench(
         "learner_step",
         tmp_path,
-        *("--steps", "2", "--set", "pack_bucket_tokens=16"),
+        *("--steps", "2", "--set", "pack_bucket_tokens=16", "--torch-profile"),
         *("--variant", "logprob_keep_logits=true", "--variant", "no_such_knob=1"),
         env={"PIPELINE_GIT_SHA": "0123abc"},  # a copied tree's commit, named by the caller
     )
@@ -105,6 +105,11 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         variants = config["variants"]
         assert variants["ours[logprob_keep_logits=true]"]["trainer"]["logprob_keep_logits"]
         assert "no_such_knob" in variants["ours[no_such_knob=1]"]["error"]  # reported, not fatal
+        # --torch-profile: the trainer's marked ranges took host time inside the profiled step
+        ranges = config["profile"]["host_ms_per_range"]
+        assert set(ranges) == {"train/forward", "train/backward", "train/optimizer"}
+        assert all(ms > 0 for ms in ranges.values())
+        assert sum(ranges.values()) <= config["profile"]["wall_ms"]
     tps, _, mfu = figs
     # mfu is tokens/s in units of the peak: 6 * params * tokens/s / peak
     config = mfu["config"]

@@ -241,14 +241,10 @@ def plan_micro_batches(
     return [sorted(b) for b in bins]
 
 
-def loss_units(mask: Tensor, loss_agg_mode: LossAggMode) -> int:
-    """What the loss averages over: valid tokens (token-mean) or sequences with one."""
-    return sum(sample_units(mask, loss_agg_mode))
-
-
 def sample_units(mask: Tensor, loss_agg_mode: LossAggMode) -> list[int]:
-    """Each sample's share of `loss_units`, as host ints: subsets are then summed in Python
-    rather than by indexing the mask once per mini- and micro-batch."""
+    """What each sample adds to what the loss averages over, as host ints: its valid tokens
+    (token-mean) or 1 if it has any (sequence modes). Subsets are summed in Python rather
+    than by indexing the mask once per mini- and micro-batch."""
     if loss_agg_mode == "token-mean":
         return mask.sum(dim=-1).tolist()
     return mask.bool().any(dim=-1).long().tolist()

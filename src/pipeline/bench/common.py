@@ -52,6 +52,18 @@ def git_sha() -> str:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
+def covered(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: overlaps counted once, empty or
+    reversed intervals ignored."""
+    total, cursor = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        lo = max(lo, cursor)
+        if hi > lo:
+            total += hi - lo
+            cursor = hi
+    return total
+
+
 def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import emit, emit_file, figure
+from pipeline.bench.common import covered, emit, emit_file, figure
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -36,16 +36,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _busy(spans: list[dict[str, Any]], start: float, end: float) -> float:
     """Seconds inside [start, end] covered by at least one span (overlaps counted once)."""
-    intervals = sorted(
-        (max(s["start"], start), min(s["end"], end)) for s in spans if s["end"] > start
-    )
-    busy, cursor = 0.0, start
-    for lo, hi in intervals:
-        lo = max(lo, cursor)
-        if hi > lo:
-            busy += hi - lo
-            cursor = hi
-    return busy
+    return covered((max(s["start"], start), min(s["end"], end)) for s in spans)
 
 
 def measure(run_dir: Path, skip: int) -> dict[str, float]:

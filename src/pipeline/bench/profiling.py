@@ -13,18 +13,7 @@ from typing import Any
 
 import torch
 
-
-def _busy_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
+from pipeline.bench.common import covered
 
 
 def summarize(prof: Any, wall_s: float, ranges: Sequence[str]) -> dict[str, Any]:
@@ -42,7 +31,7 @@ def summarize(prof: Any, wall_s: float, ranges: Sequence[str]) -> dict[str, Any]
         for name in counted:
             if ev.name.startswith(name):
                 calls[name] = calls.get(name, 0) + 1
-    busy_ms = _busy_us(kernels) / 1e3
+    busy_ms = covered(kernels) / 1e3
     return {
         "wall_ms": round(wall_s * 1e3, 2),
         "device_busy_ms": round(busy_ms, 2),

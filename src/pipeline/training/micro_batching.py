@@ -93,9 +93,10 @@ def _sequences(batch: ExperienceBatch, indices: Sequence[int]) -> list[Tensor]:
 
 def _gather_index(batch: ExperienceBatch, indices: Sequence[int], starts: Sequence[int]) -> Tensor:
     """(m, r) flat positions predicting each response token; padding points at 0 (masked)."""
-    lengths = batch.response_lengths[list(indices)] if indices else torch.zeros(0, dtype=torch.long)
+    # lengths of these samples only, from the host lists (no index op over the whole batch)
+    lengths = torch.tensor([batch.response_ids[i].numel() for i in indices], dtype=torch.long)
+    prompt_lens = torch.tensor([batch.prompt_ids[i].numel() for i in indices], dtype=torch.long)
     width = int(lengths.max()) if len(indices) else 0
-    prompt_lens = batch.prompt_lengths[list(indices)] if indices else lengths
     j = torch.arange(width)[None, :]  # (1, r)
     base = torch.as_tensor(list(starts), dtype=torch.long) + prompt_lens - 1  # (m,)
     index = base[:, None] + j  # (m, r)

@@ -167,7 +167,7 @@ class TrainEngine:
 
     def queue_update(self, nonfinite_loss: Tensor) -> None:
         """`apply_gradients` without a host sync (fused optimizer, one process): clip and the
-        non-finite skip run on the device; `settle_pending_into` reads the outcome and steps
+        non-finite skip run on the device; `settle_into` reads the outcome and steps
         the schedule. The host so queues the next micro-batches while the device still runs
         this update. Settle the previous update first: this step reads the schedule's lr."""
         if self._queued is not None:
@@ -178,16 +178,14 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self._queued = (norm, skipped, nonfinite_loss)
 
-    def settle_pending_into(self, stats: EpochStats | None) -> None:
+    def settle_into(self, stats: EpochStats) -> None:
         """Read the queued update's outcome (one host sync), count it, step the schedule."""
         if self._queued is None:
             return
         norm, skipped_flag, bad = self._queued
         self._queued = None
         grad_norm, flag, bad_loss = torch.stack([norm.float(), skipped_flag, bad.float()]).tolist()
-        outcome = self._record(grad_norm, skipped=flag > 0, nonfinite_loss=bad_loss > 0)
-        if stats is not None:
-            stats.count(outcome)
+        stats.count(self._record(grad_norm, skipped=flag > 0, nonfinite_loss=bad_loss > 0))
 
     def _record(self, grad_norm: float, *, skipped: bool, nonfinite_loss: bool) -> UpdateOutcome:
         if skipped:
@@ -260,12 +258,12 @@ class TrainEngine:
                         for key, value in metrics.items():
                             sums.add(key, value * share)
                 with record_function("train/optimizer"):
-                    self.settle_pending_into(stats)  # the previous update: one host sync
+                    self.settle_into(stats)  # the previous update: one host sync
                     if self._device_updates and plan.global_units > 0:
                         self.queue_update(bad)
                     else:
                         stats.count(self.apply_gradients(bool(bad), empty=plan.global_units == 0))
-        self.settle_pending_into(stats)
+        self.settle_into(stats)
         return stats
 
     # -- checkpoints ------------------------------------------------------------------

@@ -58,16 +58,19 @@ def test_micro_batch_logprobs_equal_per_sequence_dense_logprobs(padding_free: bo
     batch = make_batch(seed=1, n=5)
     pack = pack_padding_free if padding_free else pack_padded
     mb = pack(batch, [0, 2, 3])
-    logp = mb.gather(
-        model.token_logprobs(
-            mb.input_ids,
-            mb.target_ids,
-            position_ids=mb.position_ids,
-            attention_mask=mb.attention_mask,
-            cu_seqlens=mb.cu_seqlens,
-        )
-    )  # (3, r)
+    inputs = {
+        "position_ids": mb.position_ids,
+        "attention_mask": mb.attention_mask,
+        "cu_seqlens": mb.cu_seqlens,
+    }
+    logp = mb.gather(model.token_logprobs(mb.input_ids, mb.target_ids, **inputs))  # (3, r)
+    # the output layer on the response-predicting positions only
+    scored = model.token_logprobs(mb.input_ids, mb.target_ids, score_index=mb.score_index, **inputs)
     mask = mb.fields(batch.response_mask)
+    assert scored.shape == (int(mask.sum()),)  # one entry per response token
+    torch.testing.assert_close(
+        mb.gather_scored(scored)[mask.bool()], logp[mask.bool()], atol=1e-5, rtol=1e-5
+    )
     for row, i in enumerate([0, 2, 3]):
         seq = torch.cat([batch.prompt_ids[i], batch.response_ids[i]])[None]
         dense = model.token_logprobs(seq[:, :-1], seq[:, 1:])[0]  # (len - 1,)
@@ -110,6 +113,7 @@ def test_bucketed_packing_pads_to_few_shapes_and_scores_the_same_positions():
     assert padded.max_seqlen == 128  # a power of two, at least 128, bounding every length
     assert padded.max_seqlen >= plain.max_seqlen
     assert torch.equal(padded.gather_index, plain.gather_index)
+    assert torch.equal(padded.score_index, plain.score_index)  # the padding is never scored
     assert torch.equal(padded.input_ids[0, :total], plain.input_ids[0])
     assert torch.equal(padded.position_ids[0, total:], torch.arange(width - total))
 

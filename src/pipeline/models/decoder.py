@@ -235,12 +235,16 @@ class CausalLM(DecoderBase):
         temperature: float = 1.0,
         return_entropy: bool = False,
         keep_logits: bool = False,
+        score_index: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """log p(target_ids) (b, s) float32 (and entropy) in one FSDP-hooked call.
 
         Calling hidden_states + chunked_token_logprobs separately under FSDP would read
         lm_head.weight outside a hooked forward, where it may be a shard; this method keeps
         both inside one. Packed when cu_seqlens is given (then position_ids is required).
+        With `score_index` (n,), flat positions of input_ids, only those positions go
+        through the output layer and the result is (n,): a learner scores response tokens
+        only, and the prompt's share of the lm_head GEMMs and softmax passes is skipped.
         """
         if cu_seqlens is not None:
             if position_ids is None:
@@ -248,6 +252,9 @@ class CausalLM(DecoderBase):
             hidden = self._packed(input_ids, position_ids, cu_seqlens, max_seqlen)
         else:
             hidden = self._dense(input_ids, position_ids, attention_mask)
+        if score_index is not None:
+            hidden = hidden.reshape(-1, hidden.shape[-1])[score_index]  # (n, hidden)
+            target_ids = target_ids.reshape(-1)[score_index]  # (n,)
         return chunked_token_logprobs(
             hidden,
             self.lm_head.weight,

@@ -47,6 +47,7 @@ def micro_logprobs(
             temperature=temperature,
             return_entropy=with_entropy,
             keep_logits=keep_logits,
+            score_index=mb.score_index,
         )
     if with_entropy:
         logp_all, ent_all = out  # type: ignore[misc]
@@ -55,8 +56,8 @@ def micro_logprobs(
     anchor = logp_all.sum() * 0.0
     if ent_all is not None:
         anchor = anchor + ent_all.sum() * 0.0
-    logp = mb.gather(logp_all)  # (m, r)
-    entropy = None if ent_all is None else mb.gather(ent_all)  # (m, r)
+    logp = mb.gather_scored(logp_all)  # (m, r)
+    entropy = None if ent_all is None else mb.gather_scored(ent_all)  # (m, r)
     return logp, entropy, anchor
 
 

@@ -32,10 +32,13 @@ class MetricSums:
         self.max_keys = sorted(set(max_keys))
         if device is None or is_distributed():
             device = collective_device()
-        self._sums = {k: torch.zeros((), dtype=torch.float64, device=device) for k in self.sum_keys}
-        self._maxes = {
-            k: torch.full((), -torch.inf, dtype=torch.float64, device=device) for k in self.max_keys
-        }
+        # one vector per kind (two fills, not one per key); each key is a view into it
+        self._sum_vec = torch.zeros(len(self.sum_keys), dtype=torch.float64, device=device)
+        self._max_vec = torch.full(
+            (len(self.max_keys),), -torch.inf, dtype=torch.float64, device=device
+        )
+        self._sums = {k: self._sum_vec[i] for i, k in enumerate(self.sum_keys)}
+        self._maxes = {k: self._max_vec[i] for i, k in enumerate(self.max_keys)}
         self._host_sums = dict.fromkeys(self.sum_keys, 0.0)
         self._host_maxes = dict.fromkeys(self.max_keys, -math.inf)
 
@@ -54,32 +57,23 @@ class MetricSums:
         if key not in self._maxes:
             raise KeyError(f"metric {key!r} was not declared as a max; declared: {self.max_keys}")
         if self._on_device(value):
-            v = value.detach().to(self._maxes[key])  # type: ignore[union-attr]
-            self._maxes[key] = torch.maximum(self._maxes[key], v)
+            view = self._maxes[key]
+            torch.maximum(view, value.detach().to(view), out=view)  # type: ignore[union-attr]
         else:
             self._host_maxes[key] = max(self._host_maxes[key], float(value))
 
-    @staticmethod
-    def _vectors(device_values: list[Tensor], host_values: list[float]) -> tuple[Tensor, Tensor]:
-        """(the device values stacked, the host values on the same device)."""
-        vec = torch.stack(device_values)
-        host = torch.tensor(host_values, dtype=torch.float64)
-        return vec, host.to(vec.device, non_blocking=True)
-
     def reduce(self) -> dict[str, float]:
-        """Global values (sum over ranks / max over ranks) as floats: one or two collectives."""
-        out: dict[str, float] = {}
-        if self.sum_keys:
-            vec, host = self._vectors(
-                [self._sums[k] for k in self.sum_keys], [self._host_sums[k] for k in self.sum_keys]
-            )
-            vec = all_reduce_(vec + host, "sum")
-            out.update(zip(self.sum_keys, vec.tolist(), strict=True))
+        """Global values (sum over ranks / max over ranks) as floats: one collective per
+        kind, and one read of the device."""
+        sums = self._sum_vec + self._host_vector(self._host_sums, self.sum_keys)
+        maxes = torch.maximum(self._max_vec, self._host_vector(self._host_maxes, self.max_keys))
+        if self.sum_keys:  # no-ops without a process group
+            sums = all_reduce_(sums, "sum")
         if self.max_keys:
-            vec, host = self._vectors(
-                [self._maxes[k] for k in self.max_keys],
-                [self._host_maxes[k] for k in self.max_keys],
-            )
-            vec = all_reduce_(torch.maximum(vec, host), "max")
-            out.update(zip(self.max_keys, vec.tolist(), strict=True))
-        return out
+            maxes = all_reduce_(maxes, "max")
+        values = torch.cat([sums, maxes]).tolist()
+        return dict(zip([*self.sum_keys, *self.max_keys], values, strict=True))
+
+    def _host_vector(self, values: dict[str, float], keys: list[str]) -> Tensor:
+        host = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        return host.to(self._sum_vec.device, non_blocking=True)

@@ -7,16 +7,12 @@ same checks run compiled on a GPU host (tests marked gpu).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from .triton_helpers import HAS_TRITON, NO_TRITON, interpret, run_script
 
 KERNEL_CHECK = """
 import math, torch
@@ -82,31 +78,17 @@ print("engine ok")
 """
 
 
-def _run(script: str, **env: str) -> str:
-    path = os.pathsep.join(["src", os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, **env, "PYTHONPATH": path}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
-def _interpret(script: str) -> str:
-    return _run(script, TRITON_INTERPRET="1")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CPU builds of torch)")
+@pytest.mark.skipif(not HAS_TRITON, reason=NO_TRITON)
 def test_kernel_matches_float64_attention_under_the_triton_interpreter():
     prelude = "DEVICE, DTYPE, ATOL = 'cpu', torch.float32, 1e-4\n"
     script = KERNEL_CHECK.replace("import math, torch\n", "import math, torch\n" + prelude)
-    assert "kernel ok" in _interpret(script)
+    assert "kernel ok" in interpret(script)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CPU builds of torch)")
+@pytest.mark.skipif(not HAS_TRITON, reason=NO_TRITON)
 def test_engine_with_the_kernel_generates_what_the_sdpa_path_does_under_the_interpreter():
     # continuous batching with overlap: finished rows stay in the batch with length 0
-    assert "engine ok" in _interpret(textwrap.dedent(ENGINE_CHECK))
+    assert "engine ok" in interpret(textwrap.dedent(ENGINE_CHECK))
 
 
 @pytest.mark.gpu
@@ -114,4 +96,4 @@ def test_engine_with_the_kernel_generates_what_the_sdpa_path_does_under_the_inte
 def test_kernel_matches_float64_attention_in_bf16_on_cuda():
     prelude = "DEVICE, DTYPE, ATOL = 'cuda', torch.bfloat16, 3e-2\n"
     script = KERNEL_CHECK.replace("import math, torch\n", "import math, torch\n" + prelude)
-    assert "kernel ok" in _run(script)
+    assert "kernel ok" in run_script(script)

@@ -62,3 +62,25 @@ def test_an_exception_inside_drops_the_unflushed_backward_and_restores_masters()
         raise RuntimeError("boom")
     assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
     assert not weights.active
+
+
+def test_prepare_refreshes_the_copies_for_the_next_entry_only():
+    model = _model()
+    weights = ComputeWeights(model, torch.bfloat16)
+    first = next(model.parameters())
+    before = first.detach().clone()
+
+    def inside() -> torch.Tensor:
+        with weights():
+            return first.detach().clone()  # the bfloat16 compute copy
+
+    weights.prepare()  # the copy is made now; the next entry must not copy again
+    with torch.no_grad():
+        first.add_(1.0)  # so a master changed in between (the engine never does this)
+    assert torch.equal(inside(), before.bfloat16())  # is not seen by that entry,
+    assert torch.equal(inside(), first.detach().bfloat16())  # but by the next one
+    weights.prepare()
+    weights.discard()  # a discarded prepare: the entry copies again
+    with torch.no_grad():
+        first.add_(1.0)
+    assert torch.equal(inside(), first.detach().bfloat16())

@@ -110,8 +110,9 @@ class SwiGLU(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.gate_up_weight
-        if weight is None:  # concatenated per call (a few MB): one wider GEMM forward and
-            weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # per gradient
-        gate, up = F.linear(x, weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if self.gate_up_weight is not None:  # one GEMM instead of two (engines)
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        # training keeps two GEMMs: with one concatenated weight (as q/k/v) the compiled
+        # backward wrote d(gate, up) at 2.5 instead of 4.4 TB/s on an H200, +1.3 ms a step
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -12,9 +12,10 @@ fused linear + log-softmax autograd function walks the tokens in chunks:
 Where memory allows (`keep_logits`), the forward computes all logits in one GEMM and keeps
 them (compute dtype) for the backward, which then runs one elementwise pass and two GEMMs
 over all tokens: no recompute. Otherwise no (tokens, vocab) tensor outlives its chunk.
-Either way nothing like autograd's gather/softmax backward over the whole vocabulary runs. On CUDA the two elementwise passes are compiled
-with torch.compile into one kernel each (falling back to eager if compilation fails); on
-CPU they run eagerly.
+Either way nothing like autograd's gather/softmax backward over the whole vocabulary runs.
+On CUDA the statistics pass is one Triton kernel that reads the logits once
+(models/logit_stats.py) and the gradient pass is compiled with torch.compile into one kernel
+(each falling back to eager torch if it fails); on CPU both run eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
+from pipeline.models.logit_stats import logit_stats, stats_kernel_supported
 
 
 def _logit_stats(
@@ -73,13 +75,32 @@ def _logit_grad(
 
 
 class _Kernels:
-    """The elementwise passes, compiled once per process on CUDA."""
+    """The elementwise passes: compiled once per process on CUDA; the statistics pass by the
+    one-read Triton kernel (models.logit_stats) where it runs."""
 
     def __init__(self) -> None:
         self._compiled: dict[str, Callable[..., Any]] | None = None
         self._failed = False
+        self._triton_failed = False
 
     def get(self, name: str, device: torch.device) -> Callable[..., Any]:
+        torch_pass = self._torch_pass(name, device)
+        if name != "stats":
+            return torch_pass
+
+        def stats(logits: Tensor, *args: Any) -> Any:
+            if self._triton_failed or not stats_kernel_supported(logits):
+                return torch_pass(logits, *args)
+            try:
+                return logit_stats(logits, *args)
+            except Exception as exc:
+                self._triton_failed = True
+                _warn_fallback("the Triton log-prob statistics kernel", exc)
+                return torch_pass(logits, *args)
+
+        return stats
+
+    def _torch_pass(self, name: str, device: torch.device) -> Callable[..., Any]:
         eager = {"stats": _logit_stats, "grad": _logit_grad}[name]
         if device.type != "cuda" or self._failed:
             return eager
@@ -99,13 +120,17 @@ class _Kernels:
                 return compiled(*args)
             except Exception as exc:
                 self._failed = True
-                get_logger("models.logprobs").warning(
-                    "torch.compile of the log-prob kernels failed; running them eagerly",
-                    error=f"{type(exc).__name__}: {exc}",
-                )
+                _warn_fallback("torch.compile of the log-prob kernels", exc)
                 return eager(*args)
 
         return call
+
+
+def _warn_fallback(what: str, exc: Exception) -> None:
+    get_logger("models.logprobs").warning(
+        f"{what} failed; running the eager torch version",
+        error=f"{type(exc).__name__}: {exc}",
+    )
 
 
 _KERNELS = _Kernels()

@@ -221,6 +221,21 @@ class TrainEngine:
         Each micro-batch metric is added times the micro-batch's share of its global
         mini-batch, so after the cross-rank sum it is a mean over mini-batches * updates.
         """
+        if self._compute is not None:
+            self._compute.prepare()  # the device refreshes the compute copies while the
+        try:  # host plans
+            return self._run_epochs(batch, loss_agg_mode, micro_loss, sums)
+        finally:
+            if self._compute is not None:
+                self._compute.discard()
+
+    def _run_epochs(
+        self,
+        batch: ExperienceBatch,
+        loss_agg_mode: LossAggMode,
+        micro_loss: MicroLoss,
+        sums: MetricSums,
+    ) -> EpochStats:
         cfg = self.config
         stats = EpochStats()
         plans = None

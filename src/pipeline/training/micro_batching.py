@@ -164,30 +164,33 @@ def pack_padding_free(
     """
     if not indices:
         return _dummy()
-    seqs = _sequences(batch, indices)
-    lengths = [s.numel() for s in seqs]
-    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    # NumPy, not one small torch op per sequence: this runs while the device waits
+    parts = [t.numpy() for i in indices for t in (batch.prompt_ids[i], batch.response_ids[i])]
+    lengths = [a.size + b.size for a, b in zip(parts[0::2], parts[1::2], strict=True)]
+    offsets = [0, *np.cumsum(lengths).tolist()]
     total = offsets[-1]
-    ids = torch.cat(seqs)  # (T,)
-    targets = torch.cat([torch.cat([s[1:], s.new_zeros(1)]) for s in seqs])  # (T,)
-    positions = torch.cat([torch.arange(n) for n in lengths])  # (T,)
+    ids = np.concatenate(parts).astype(np.int64, copy=False)  # (T,)
+    targets = np.zeros_like(ids)  # (T,): the next token; each sequence's last stays 0
+    targets[:-1] = ids[1:]
+    targets[np.asarray(offsets[1:]) - 1] = 0
+    positions = np.arange(total) - np.repeat(offsets[:-1], lengths)  # (T,)
     longest = max(lengths)
     if bucket > 0:
         pad = -total % bucket
         if pad:
-            ids = torch.cat([ids, ids.new_zeros(pad)])
-            targets = torch.cat([targets, targets.new_zeros(pad)])
-            positions = torch.cat([positions, torch.arange(pad)])
+            ids = np.concatenate([ids, np.zeros(pad, dtype=np.int64)])
+            targets = np.concatenate([targets, np.zeros(pad, dtype=np.int64)])
+            positions = np.concatenate([positions, np.arange(pad)])
             offsets.append(total + pad)
         sequences = _pow2(len(offsets) - 1, 8)
         offsets.extend([offsets[-1]] * (sequences + 1 - len(offsets)))
         longest = _pow2(max(longest, pad), 128)
     return MicroBatch(
         sample_indices=torch.as_tensor(list(indices), dtype=torch.long),
-        input_ids=ids[None],
-        target_ids=targets[None],
-        position_ids=positions[None],
-        **_response_layout(batch, indices, offsets[: len(seqs)]),
+        input_ids=torch.from_numpy(ids)[None],
+        target_ids=torch.from_numpy(targets)[None],
+        position_ids=torch.from_numpy(positions.astype(np.int64, copy=False))[None],
+        **_response_layout(batch, indices, offsets[: len(lengths)]),
         cu_seqlens=torch.tensor(offsets, dtype=torch.long),
         num_tokens=total,
         max_seqlen=longest,

@@ -41,6 +41,7 @@ class ComputeWeights:
         self._grads: list[Tensor | None] = [None] * len(self.params)  # float32 accumulators
         self._buffers: list[Tensor | None] = [None] * len(self.params)  # their reused storage
         self.active = False
+        self._prepared = False  # the copies were refreshed by `prepare` for the next entry
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -76,6 +77,19 @@ class ComputeWeights:
             buf = self._buffers[i] = torch.empty_like(self.params[i], dtype=torch.float32)
         return buf
 
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """Queue the refresh of the compute copies now, for the next entry to skip it: the
+        device copies while the host still plans the step. The next entry (or `discard`)
+        consumes it, so the masters must not change in between."""
+        if not self.active:
+            torch._foreach_copy_(self._low, [p.data for p in self.params])
+            self._prepared = True
+
+    def discard(self) -> None:
+        """Forget an unconsumed `prepare` (the next entry copies again)."""
+        self._prepared = False
+
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
         """Compute in low precision inside; float32 masters and gradients outside. Nested
@@ -84,8 +98,10 @@ class ComputeWeights:
             yield
             return
         masters = [p.data for p in self.params]  # read each time: a checkpoint load may
-        with torch.no_grad():  # have replaced them
-            torch._foreach_copy_(self._low, masters)
+        if not self._prepared:  # have replaced them
+            with torch.no_grad():
+                torch._foreach_copy_(self._low, masters)
+        self._prepared = False
         for i, (p, low) in enumerate(zip(self.params, self._low, strict=True)):
             self._grads[i], p.grad = p.grad, None  # float32 gradients so far keep adding up
             p.data = low

@@ -47,13 +47,20 @@ def _steps(trainer: PolicyTrainer, start: int, stop: int) -> list[float]:
     return [trainer.train_step(make_batch(seed=s))["actor/loss"] for s in range(start, stop)]
 
 
-def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path: Path):
+# flat: bfloat16 compute with the fused AdamW, i.e. the flat-buffer optimizer (flat_adamw.py),
+# whose state a load replaces and which must bind it again
+@pytest.mark.parametrize(
+    "config",
+    [CONFIG, CONFIG.replace(param_dtype="bfloat16", fused_optimizer=True)],
+    ids=["float32", "flat"],
+)
+def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path: Path, config: TrainerConfig):
     model_dir = save_tiny_model(tmp_path / "model")
     torch.manual_seed(1)
     np.random.seed(1)
     random.seed(1)
 
-    full = PolicyTrainer(model_dir, CONFIG, ALGORITHM)
+    full = PolicyTrainer(model_dir, config, ALGORITHM)
     losses = _steps(full, 0, STOP)
     draws = _draws()
     losses += _steps(full, STOP, TOTAL)
@@ -64,7 +71,7 @@ def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path: Path):
     torch.manual_seed(1)
     np.random.seed(1)
     random.seed(1)
-    first = PolicyTrainer(model_dir, CONFIG, ALGORITHM)
+    first = PolicyTrainer(model_dir, config, ALGORITHM)
     first_losses = _steps(first, 0, STOP)
     first.save_checkpoint(tmp_path / "ckpt", extra={"cursor": STOP, "in_flight": ["p3", "p4"]})
     del first
@@ -72,7 +79,7 @@ def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path: Path):
     np.random.seed(999)
     random.seed(999)
 
-    resumed = PolicyTrainer(model_dir, CONFIG, ALGORITHM)
+    resumed = PolicyTrainer(model_dir, config, ALGORITHM)
     loaded = resumed.load_checkpoint(tmp_path / "ckpt")
     assert loaded.step == STOP == resumed.step
     assert loaded.extra == {"cursor": STOP, "in_flight": ["p3", "p4"]}
@@ -81,7 +88,9 @@ def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path: Path):
 
     assert first_losses + resumed_losses == losses
     assert resumed.engine.lr == expected_lr
-    assert resumed.engine.optimizer_steps == CONFIG.ppo_epochs * CONFIG.mini_batches * TOTAL
+    assert resumed.engine.optimizer_steps == config.ppo_epochs * config.mini_batches * TOTAL
+    flat = resumed.engine._flat
+    assert (flat is not None and not flat.disabled) == (config.param_dtype == "bfloat16")
     for name, value in state_of(resumed.model).items():
         assert torch.equal(value, expected_state[name]), name
 

@@ -25,14 +25,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # fused: AdamW's fused kernel (CPU has one too) clips and skips on the device, and the host
 # reads the outcome after the step was queued (TrainEngine.queue_update)
-FUSED = pytest.mark.parametrize("fused", [False, True], ids=["host-skip", "device-skip"])
+# flat: bfloat16 compute with the fused AdamW runs the flat-buffer optimizer (flat_adamw.py)
+FUSED = pytest.mark.parametrize(
+    "fused",
+    [
+        {"fused_optimizer": False},
+        {"fused_optimizer": True},
+        {"fused_optimizer": True, "param_dtype": "bfloat16"},
+    ],
+    ids=["host-skip", "device-skip", "flat"],
+)
 
 
 @FUSED
 def test_nan_loss_skips_update_keeps_weights_and_adam_state_and_counts_it(
-    model_dir: Path, fused: bool
+    model_dir: Path, fused: dict
 ):
-    config = CONFIG.replace(mini_batches=1, fused_optimizer=fused)
+    config = CONFIG.replace(mini_batches=1, **fused)
     trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
     before = state_of(trainer.model)
     batch = make_batch(seed=0)
@@ -53,8 +62,8 @@ def test_nan_loss_skips_update_keeps_weights_and_adam_state_and_counts_it(
 
 
 @FUSED
-def test_infinite_gradient_with_finite_loss_skips_update(model_dir: Path, fused: bool):
-    trainer = PolicyTrainer(model_dir, CONFIG.replace(fused_optimizer=fused), AlgorithmConfig())
+def test_infinite_gradient_with_finite_loss_skips_update(model_dir: Path, fused: dict):
+    trainer = PolicyTrainer(model_dir, CONFIG.replace(**fused), AlgorithmConfig())
     before = state_of(trainer.model)
     weight = trainer.model.model.layers[0].mlp.up_proj.weight
     handle = weight.register_hook(lambda g: g * float("inf"))
@@ -83,6 +92,32 @@ def test_device_side_clip_and_schedule_update_like_the_host_side_ones(model_dir:
     assert metrics[0]["actor/grad_norm"] > 0.05  # the clip binds
     assert metrics[1]["actor/grad_norm"] == pytest.approx(metrics[0]["actor/grad_norm"], rel=1e-5)
     assert metrics[1]["actor/lr"] == metrics[0]["actor/lr"]
+    for name, value in states[0].items():
+        torch.testing.assert_close(states[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_flat_optimizer_updates_like_torch_adamw_in_bf16_compute(model_dir: Path):
+    """bfloat16 compute with the fused AdamW: the flat-buffer optimizer (flat_adamw.py) against
+    torch's per-parameter kernel, over 4 optimizer steps with a binding clip and warmup."""
+    config = CONFIG.replace(
+        param_dtype="bfloat16",
+        fused_optimizer=True,
+        grad_clip=0.05,
+        schedule="linear",
+        warmup_steps=2,
+        total_steps=10,
+    )
+    states, norms = [], []
+    for flat in (False, True):
+        trainer = PolicyTrainer(model_dir, config.replace(flat_optimizer=flat), AlgorithmConfig())
+        for seed in (4, 5):
+            metrics = trainer.train_step(make_batch(seed=seed))
+        engine = trainer.engine
+        assert (engine._flat is not None and not engine._flat.disabled) == flat
+        assert engine.optimizer_steps == 4 and metrics["actor/skipped_updates"] == 0
+        states.append(state_of(trainer.model))
+        norms.append(metrics["actor/grad_norm"])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5) and norms[0] > 0.05
     for name, value in states[0].items():
         torch.testing.assert_close(states[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
 

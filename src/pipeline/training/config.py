@@ -39,6 +39,9 @@ class TrainerConfig:
     # AdamW's fused kernel: None = on CUDA for an unsharded model. Fused, the clip and the
     # skip of a non-finite update happen on the device, with no host sync before the step
     fused_optimizer: bool | None = None
+    # with the fused optimizer in one process and low-precision compute: masters, gradients
+    # and moments in flat buffers updated by one kernel (training/flat_adamw.py)
+    flat_optimizer: bool = True
     # schedule (in optimizer steps; total_steps is needed by linear/cosine)
     schedule: Schedule = "constant"
     warmup_steps: int = 0

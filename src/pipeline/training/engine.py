@@ -31,6 +31,7 @@ from pipeline.training.distributed import (
     is_distributed,
 )
 from pipeline.training.export import export_hf
+from pipeline.training.flat_adamw import FlatAdamW
 from pipeline.training.metrics import MetricSums
 from pipeline.training.micro_batching import MicroBatch, plan_step
 from pipeline.training.optim import (
@@ -120,16 +121,24 @@ class TrainEngine:
         self.log = get_logger(f"training.{name}", rank=info.rank)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = place_model(model, config, info, trainable=True)
-        dtype = config.compute_dtype(info.device)
-        self._compute = (
-            ComputeWeights(self.model, dtype)
-            if dtype != torch.float32 and not is_distributed()
-            else None
-        )
         self.optimizer = build_optimizer(self.model, config)
         self.scheduler = build_scheduler(self.optimizer, config)
         # one process with the fused kernel: clip and skip on the device (queue_update)
         self._device_updates = is_fused(self.optimizer) and not is_distributed()
+        dtype = config.compute_dtype(info.device)
+        self._compute = None
+        self._flat: FlatAdamW | None = None
+        if dtype != torch.float32 and not is_distributed():
+            flat = self._device_updates and config.flat_optimizer
+            self._compute = ComputeWeights(self.model, dtype, flat=flat)
+            if self._compute.layout is not None:
+                self._flat = FlatAdamW(
+                    self.optimizer,
+                    self._compute.params,
+                    self._compute.layout,
+                    self._compute.flat_masters,
+                    self._compute.flat_grads,
+                )
         self._queued: tuple[Tensor, Tensor, Tensor] | None = None  # norm, skipped, bad loss
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -172,9 +181,12 @@ class TrainEngine:
         this update. Settle the previous update first: this step reads the schedule's lr."""
         if self._queued is not None:
             raise RuntimeError("settle the queued update before queueing another")
-        norm, skipped = guarded_step(
-            self.optimizer, self.model.parameters(), self.config.grad_clip, nonfinite_loss
-        )
+        if self._flat is not None and self._flat.ready():
+            norm, skipped = self._flat.guarded_step(self.config.grad_clip, nonfinite_loss)
+        else:
+            norm, skipped = guarded_step(
+                self.optimizer, self.model.parameters(), self.config.grad_clip, nonfinite_loss
+            )
         self.optimizer.zero_grad(set_to_none=True)
         self._queued = (norm, skipped, nonfinite_loss)
 

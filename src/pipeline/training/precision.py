@@ -30,16 +30,34 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from pipeline.training.flat_adamw import FlatLayout
+
 
 class ComputeWeights:
     """Swaps low-precision compute copies in and out of a module's parameters."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, *, flat: bool = False) -> None:
+        """`flat`: masters, float32 gradient accumulators and compute copies as views of one
+        flat buffer each (`layout`), for `FlatAdamW` to update in one kernel."""
         self.dtype = dtype
         self.params: list[nn.Parameter] = list(model.parameters())  # shared ones once
-        self._low: list[Tensor] = [torch.empty_like(p, dtype=dtype) for p in self.params]
         self._grads: list[Tensor | None] = [None] * len(self.params)  # float32 accumulators
-        self._buffers: list[Tensor | None] = [None] * len(self.params)  # their reused storage
+        self.layout: FlatLayout | None = None
+        if flat and self.params:
+            layout = self.layout = FlatLayout.of(self.params)
+            first = self.params[0]
+            self.flat_masters = layout.buffer(first, torch.float32)
+            self.flat_grads = layout.buffer(first, torch.float32)
+            with torch.no_grad():
+                for p, view in zip(self.params, layout.views(self.flat_masters), strict=True):
+                    view.copy_(p.data)
+                    p.data = view
+            self._low = layout.views(layout.buffer(first, dtype))
+            # their reused storage
+            self._buffers: list[Tensor | None] = list(layout.views(self.flat_grads))
+        else:
+            self._low = [torch.empty_like(p, dtype=dtype) for p in self.params]
+            self._buffers = [None] * len(self.params)
         self.active = False
         self._prepared = False  # the copies were refreshed by `prepare` for the next entry
 

@@ -1,0 +1,142 @@
+"""FlatAdamW: the flat-buffer AdamW equals torch's per-parameter AdamW (clip, skip, schedule,
+a state reload), on CPU through torch's fused kernel on the flat buffers and, under Triton's
+interpreter, through the Triton kernel that runs on CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.models.logit_stats import triton as _triton
+from pipeline.training.flat_adamw import ALIGN, FlatAdamW
+from pipeline.training.precision import ComputeWeights
+
+from ..models.triton_helpers import NO_TRITON, interpret
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # odd sizes: the flat views need alignment gaps
+    return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3, bias=False))
+
+
+def _flat_setup() -> tuple[nn.Module, ComputeWeights, torch.optim.AdamW, FlatAdamW]:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    for p in model.parameters():  # what init_adam_state does: step counts on the device
+        optimizer.state[p] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+    weights = ComputeWeights(model, torch.bfloat16, flat=True)
+    assert weights.layout is not None and weights.layout.total % ALIGN == 0
+    flat = FlatAdamW(
+        optimizer, weights.params, weights.layout, weights.flat_masters, weights.flat_grads
+    )
+    return model, weights, optimizer, flat
+
+
+def _backward(model: nn.Module, weights: ComputeWeights, seed: int, scale: float = 1.0) -> None:
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed))
+    with weights():
+        (scale * model(x.bfloat16()).square().sum()).backward()
+
+
+def _reference_step(
+    ref: nn.Module, opt: torch.optim.Optimizer, grads: list[torch.Tensor], max_norm: float
+) -> None:
+    for p, g in zip(ref.parameters(), grads, strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(list(ref.parameters()), max_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_flat_steps_equal_torch_adamw_with_clip_skip_and_schedule():
+    model, weights, optimizer, flat = _flat_setup()
+    ref = copy.deepcopy(_model())
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **HYPER)
+    lrs = [1e-2, 5e-3, 2e-3, 1e-3]
+    for step, lr in enumerate(lrs):
+        optimizer.param_groups[0]["lr"] = ref_opt.param_groups[0]["lr"] = lr
+        _backward(model, weights, seed=step, scale=50.0 if step == 1 else 1.0)
+        grads = [p.grad.clone() for p in model.parameters()]
+        assert flat.ready()  # masters, gradients and moments are the flat views
+        bad = torch.tensor(step == 2)  # the third update is skipped (e.g. a NaN loss)
+        norm, skipped = flat.guarded_step(0.5, bad)
+        optimizer.zero_grad(set_to_none=True)
+        assert bool(skipped) == (step == 2)
+        torch.testing.assert_close(
+            norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+        )
+        if step != 2:
+            _reference_step(ref, ref_opt, grads, 0.5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                optimizer.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"], rtol=1e-5, atol=1e-7
+            )
+            assert float(optimizer.state[p]["step"]) == float(ref_opt.state[q]["step"])
+    assert float(optimizer.state[next(model.parameters())]["step"]) == 3  # one skipped
+
+
+def test_a_reloaded_state_is_bound_again_and_training_continues_identically():
+    runs = []
+    for reload in (False, True):
+        model, weights, optimizer, flat = _flat_setup()
+        for step in range(3):
+            if reload and step == 2:  # replaces every state tensor, as a checkpoint load
+                optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+                p0 = next(model.parameters())
+                assert optimizer.state[p0]["exp_avg"].data_ptr() != flat.exp_avg.data_ptr()
+            _backward(model, weights, seed=step)
+            assert flat.ready()
+            flat.guarded_step(None, torch.tensor(False))
+            optimizer.zero_grad(set_to_none=True)
+        runs.append([p.detach().clone() for p in model.parameters()])
+        p0 = next(model.parameters())
+        assert optimizer.state[p0]["exp_avg"].data_ptr() == flat.exp_avg.data_ptr()
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_parameter_without_a_gradient_turns_the_flat_path_off():
+    model, weights, _, flat = _flat_setup()
+    _backward(model, weights, seed=0)
+    model[2].weight.grad = None
+    assert not flat.ready() and flat.disabled
+    _backward(model, weights, seed=1)
+    assert not flat.ready()  # stays off: the torch step would leave its count behind
+
+
+TRITON_CHECK = """
+import torch
+from pipeline.training import flat_adamw
+from tests.training.test_flat_adamw import _backward, _flat_setup
+
+assert flat_adamw._triton_runs(torch.zeros(1))
+results = []
+for use_triton in (True, False):
+    flat_adamw._triton_runs = (lambda t: True) if use_triton else (lambda t: False)
+    model, weights, optimizer, flat = _flat_setup()
+    for step in range(3):
+        optimizer.param_groups[0]["lr"] = 1e-2 / (step + 1)
+        _backward(model, weights, seed=step, scale=50.0 if step == 1 else 1.0)
+        assert flat.ready()
+        flat.guarded_step(0.5, torch.tensor(step == 2))
+        optimizer.zero_grad(set_to_none=True)
+    results.append([t.clone() for t in (flat.masters, flat.exp_avg, flat.exp_avg_sq)])
+for a, b in zip(*results):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+print("flat kernel ok")
+"""
+
+
+@pytest.mark.skipif(_triton is None, reason=NO_TRITON)
+def test_the_triton_kernel_equals_torch_fused_adamw_under_the_interpreter():
+    assert "flat kernel ok" in interpret(TRITON_CHECK)

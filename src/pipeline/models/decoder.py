@@ -70,17 +70,10 @@ class DecoderTrunk(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        spec: AttentionSpec,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec
     ) -> torch.Tensor:
-        """`rope`: cos, sin of `positions` computed by the caller (see DecoderBase._rope)."""
         x = self.embed_tokens(input_ids)  # (batch, seq, hidden)
-        if rope is None:
-            rope = self.rotary_emb(positions, x.dtype)
-        cos, sin = rope  # (batch, seq, head_dim)
+        cos, sin = self.rotary_emb(positions, x.dtype)  # (batch, seq, head_dim)
         for layer in self.layers:
             x = layer(x, cos, sin, spec)
         return self.norm(x)  # (batch, seq, hidden)
@@ -95,12 +88,6 @@ class DecoderBase(nn.Module):
         self.model = DecoderTrunk(config)
 
     # -- trunk entry points (private: public methods must not nest under FSDP hooks) --
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin computed before the trunk, so that a compiled trunk takes them as inputs:
-        computed inside it, inductor fused cos/sin into every layer's RoPE kernels, forward
-        and backward, and that per-element recompute cost ~2 ms a step on an H200."""
-        return self.model.rotary_emb(positions, self.model.embed_tokens.weight.dtype)
 
     def _dense(
         self,
@@ -117,7 +104,7 @@ class DecoderBase(nn.Module):
             spec = AttentionSpec(mask=padded_causal_mask(attention_mask))
             if position_ids is None:
                 position_ids = positions_from_mask(attention_mask)
-        return self.model(input_ids, position_ids, spec, self._rope(position_ids))
+        return self.model(input_ids, position_ids, spec)
 
     def _packed(
         self,
@@ -138,9 +125,10 @@ class DecoderBase(nn.Module):
                     cu = torch.cat([cu, cu.new_tensor([total])])
                 max_seqlen = int((cu[1:] - cu[:-1]).max())
             spec = AttentionSpec(cu_seqlens=cu, max_seqlen=max_seqlen)
-        else:
-            spec = AttentionSpec(mask=packed_causal_mask(cu, total))
-        return self.model(input_ids, position_ids, spec, self._rope(position_ids))
+            return self.model(input_ids, position_ids, spec)
+        return self.model(
+            input_ids, position_ids, AttentionSpec(mask=packed_causal_mask(cu, total))
+        )
 
     def _cached(
         self,

@@ -200,6 +200,7 @@ def run_ours(
             "compile": config.compile,
             "compile_mode": config.compile_mode,
             "pack_bucket_tokens": config.pack_bucket_tokens,
+            "flat_optimizer": config.flat_optimizer,
             "keep_reference": kl,
             "use_kl_loss": kl,
         },

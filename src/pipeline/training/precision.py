@@ -17,6 +17,11 @@ sharded one:
   * on exit the masters are back in `.data` with the float32 gradients in `.grad`:
     clipping, the optimizer, checkpoints, exports and weight sync see float32 as before.
 
+With `flat=True` (the engine's choice for the fused optimizer in one process) the masters,
+the float32 accumulators and the compute copies are views of one flat buffer each, so
+`FlatAdamW` (flat_adamw.py) updates every parameter with one kernel. `prepare()` queues the
+refresh of the compute copies ahead of the entry, while the host still plans the step.
+
 The float32 accumulators are allocated once and reused by every later step (a fresh set per
 step cost ~300 allocations on the host, between backward and optimizer, while the device
 idled): a `.grad` kept across `optimizer.zero_grad` is overwritten by the next step.

@@ -14,7 +14,7 @@ from pipeline.models.logit_stats import triton as _triton
 from pipeline.training.flat_adamw import ALIGN, FlatAdamW
 from pipeline.training.precision import ComputeWeights
 
-from ..models.triton_helpers import NO_TRITON, interpret
+from ..models.triton_helpers import NO_TRITON, interpret, run_script
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -24,12 +24,14 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3, bias=False))
 
 
-def _flat_setup() -> tuple[nn.Module, ComputeWeights, torch.optim.AdamW, FlatAdamW]:
-    model = _model()
+def _flat_setup(
+    device: str = "cpu",
+) -> tuple[nn.Module, ComputeWeights, torch.optim.AdamW, FlatAdamW]:
+    model = _model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
     for p in model.parameters():  # what init_adam_state does: step counts on the device
         optimizer.state[p] = {
-            "step": torch.tensor(0.0),
+            "step": torch.tensor(0.0, device=device),
             "exp_avg": torch.zeros_like(p),
             "exp_avg_sq": torch.zeros_like(p),
         }
@@ -42,7 +44,9 @@ def _flat_setup() -> tuple[nn.Module, ComputeWeights, torch.optim.AdamW, FlatAda
 
 
 def _backward(model: nn.Module, weights: ComputeWeights, seed: int, scale: float = 1.0) -> None:
-    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed)).to(
+        weights.params[0].device
+    )
     with weights():
         (scale * model(x.bfloat16()).square().sum()).backward()
 
@@ -114,21 +118,23 @@ def test_a_parameter_without_a_gradient_turns_the_flat_path_off():
     assert not flat.ready()  # stays off: the torch step would leave its count behind
 
 
+CPU = "import torch\nDEVICE = 'cpu'\n"
+CUDA = "import torch\nDEVICE = 'cuda'\n"
 TRITON_CHECK = """
 import torch
 from pipeline.training import flat_adamw
 from tests.training.test_flat_adamw import _backward, _flat_setup
 
-assert flat_adamw._triton_runs(torch.zeros(1))
+assert flat_adamw._triton_runs(torch.zeros(1, device=DEVICE))
 results = []
 for use_triton in (True, False):
     flat_adamw._triton_runs = (lambda t: True) if use_triton else (lambda t: False)
-    model, weights, optimizer, flat = _flat_setup()
+    model, weights, optimizer, flat = _flat_setup(DEVICE)
     for step in range(3):
         optimizer.param_groups[0]["lr"] = 1e-2 / (step + 1)
         _backward(model, weights, seed=step, scale=50.0 if step == 1 else 1.0)
         assert flat.ready()
-        flat.guarded_step(0.5, torch.tensor(step == 2))
+        flat.guarded_step(0.5, torch.tensor(step == 2, device=DEVICE))
         optimizer.zero_grad(set_to_none=True)
     results.append([t.clone() for t in (flat.masters, flat.exp_avg, flat.exp_avg_sq)])
 for a, b in zip(*results):
@@ -139,4 +145,10 @@ print("flat kernel ok")
 
 @pytest.mark.skipif(_triton is None, reason=NO_TRITON)
 def test_the_triton_kernel_equals_torch_fused_adamw_under_the_interpreter():
-    assert "flat kernel ok" in interpret(TRITON_CHECK)
+    assert "flat kernel ok" in interpret(TRITON_CHECK.replace("import torch\n", CPU, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_triton_kernel_equals_torch_fused_adamw_on_cuda():
+    assert "flat kernel ok" in run_script(TRITON_CHECK.replace("import torch\n", CUDA, 1))

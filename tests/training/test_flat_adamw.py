@@ -37,9 +37,7 @@ def _flat_setup(
         }
     weights = ComputeWeights(model, torch.bfloat16, flat=True)
     assert weights.layout is not None and weights.layout.total % ALIGN == 0
-    flat = FlatAdamW(
-        optimizer, weights.params, weights.layout, weights.flat_masters, weights.flat_grads
-    )
+    flat = FlatAdamW(optimizer, weights)
     return model, weights, optimizer, flat
 
 

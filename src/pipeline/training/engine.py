@@ -132,13 +132,7 @@ class TrainEngine:
             flat = self._device_updates and config.flat_optimizer
             self._compute = ComputeWeights(self.model, dtype, flat=flat)
             if self._compute.layout is not None:
-                self._flat = FlatAdamW(
-                    self.optimizer,
-                    self._compute.params,
-                    self._compute.layout,
-                    self._compute.flat_masters,
-                    self._compute.flat_grads,
-                )
+                self._flat = FlatAdamW(self.optimizer, self._compute)
         self._queued: tuple[Tensor, Tensor, Tensor] | None = None  # norm, skipped, bad loss
         self.optimizer_steps = 0
         self.skipped_steps = 0

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:  # precision.py imports FlatLayout from here
+    from pipeline.training.precision import ComputeWeights
 
 try:
     import triton
@@ -70,20 +74,17 @@ class FlatLayout:
 class FlatAdamW:
     """Steps a torch AdamW's parameters through flat buffers (see the module docstring)."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.AdamW,
-        params: list[nn.Parameter],
-        layout: FlatLayout,
-        masters: Tensor,
-        grads: Tensor,
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.AdamW, weights: ComputeWeights) -> None:
+        """`weights` must have been built with flat=True (it holds the masters and the
+        gradient accumulators); the moments' buffers are this object's."""
+        if weights.layout is None or weights.flat_masters is None or weights.flat_grads is None:
+            raise ValueError("FlatAdamW needs ComputeWeights(..., flat=True)")
         self.optimizer = optimizer
-        self.params = params
-        self.layout = layout
-        self.masters, self.grads = masters, grads
-        self.exp_avg = layout.buffer(masters, torch.float32)
-        self.exp_avg_sq = layout.buffer(masters, torch.float32)
+        self.params = weights.params
+        self.layout = weights.layout
+        self.masters, self.grads = weights.flat_masters, weights.flat_grads
+        self.exp_avg = self.layout.buffer(self.masters, torch.float32)
+        self.exp_avg_sq = self.layout.buffer(self.masters, torch.float32)
         self._steps: list[Tensor] = []
         self.disabled = False
         self.bind_state()

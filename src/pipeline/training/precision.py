@@ -48,13 +48,15 @@ class ComputeWeights:
         self.params: list[nn.Parameter] = list(model.parameters())  # shared ones once
         self._grads: list[Tensor | None] = [None] * len(self.params)  # float32 accumulators
         self.layout: FlatLayout | None = None
+        self.flat_masters: Tensor | None = None
+        self.flat_grads: Tensor | None = None
         if flat and self.params:
             layout = self.layout = FlatLayout.of(self.params)
             first = self.params[0]
-            self.flat_masters = layout.buffer(first, torch.float32)
+            masters = self.flat_masters = layout.buffer(first, torch.float32)
             self.flat_grads = layout.buffer(first, torch.float32)
             with torch.no_grad():
-                for p, view in zip(self.params, layout.views(self.flat_masters), strict=True):
+                for p, view in zip(self.params, layout.views(masters), strict=True):
                     view.copy_(p.data)
                     p.data = view
             self._low = layout.views(layout.buffer(first, dtype))

@@ -84,3 +84,8 @@ def test_prepare_refreshes_the_copies_for_the_next_entry_only():
     with torch.no_grad():
         first.add_(1.0)
     assert torch.equal(inside(), first.detach().bfloat16())
+    with weights.prepared():  # discards on the way out what its body left unconsumed
+        pass
+    with torch.no_grad():
+        first.add_(1.0)
+    assert torch.equal(inside(), first.detach().bfloat16())

@@ -227,20 +227,12 @@ class TrainEngine:
         Each micro-batch metric is added times the micro-batch's share of its global
         mini-batch, so after the cross-rank sum it is a mean over mini-batches * updates.
         """
-        if self._compute is not None:
-            self._compute.prepare()  # the device refreshes the compute copies while the
-        try:  # host plans
+        # the device refreshes the compute copies while the host plans
+        with self._compute.prepared() if self._compute is not None else contextlib.nullcontext():
             return self._run_epochs(batch, loss_agg_mode, micro_loss, sums)
-        finally:
-            if self._compute is not None:
-                self._compute.discard()
 
     def _run_epochs(
-        self,
-        batch: ExperienceBatch,
-        loss_agg_mode: LossAggMode,
-        micro_loss: MicroLoss,
-        sums: MetricSums,
+        self, batch: ExperienceBatch, mode: LossAggMode, micro_loss: MicroLoss, sums: MetricSums
     ) -> EpochStats:
         cfg = self.config
         stats = EpochStats()
@@ -251,7 +243,7 @@ class TrainEngine:
                     batch,
                     num_mini_batches=cfg.mini_batches,
                     max_tokens=cfg.max_tokens_per_micro_batch,
-                    loss_agg_mode=loss_agg_mode,
+                    loss_agg_mode=mode,
                     order=self.epoch_order(batch.num_samples, epoch),
                     padding_free=cfg.padding_free,
                     bucket=cfg.pack_bucket_tokens,

@@ -116,6 +116,15 @@ class ComputeWeights:
         self._prepared = False
 
     @contextlib.contextmanager
+    def prepared(self) -> Iterator[None]:
+        """`prepare` now, `discard` whatever the body left unconsumed on the way out."""
+        self.prepare()
+        try:
+            yield
+        finally:
+            self.discard()
+
+    @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
         """Compute in low precision inside; float32 masters and gradients outside. Nested
         uses share the outer one."""

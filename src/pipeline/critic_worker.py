@@ -46,6 +46,10 @@ class CriticWorker:
         async with self._lock:
             return await run_collective(self.ranks, run, command, self.thread)
 
+    def close(self) -> None:
+        """Stop the trainer's thread (it holds nothing once the loop stops calling it)."""
+        self.thread.close()
+
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""
         op = RankOp(command.op)

@@ -42,6 +42,10 @@ class CriticService(Service):
             self.worker = CriticWorker(self.ctx)
             await self.worker.setup()
 
+    async def teardown(self) -> None:
+        if getattr(self, "worker", None) is not None:
+            self.worker.close()
+
     async def handle(self, message: codec.Message) -> list[Output]:
         group = read_group(message)
         if self.worker is None:

@@ -86,8 +86,14 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         tmp_path,
         *("--steps", "2", "--set", "pack_bucket_tokens=16", "--torch-profile"),
         *("--variant", "logprob_keep_logits=true", "--variant", "no_such_knob=1"),
+        *("--trace", str(tmp_path / "trace.json.gz")),
         env={"PIPELINE_GIT_SHA": "0123abc"},  # a copied tree's commit, named by the caller
     )
+    # one timeline per timed trainer: ours, and the variant that ran (not the failed one)
+    assert sorted(p.name for p in tmp_path.glob("trace*")) == [
+        "trace-v1.json.gz",
+        "trace.json.gz",
+    ]
     assert [f["figure"] for f in figs] == ["tokens_per_s", "tokens_per_s_vs_eager", "mfu"]
     for fig in figs:
         check_common(fig, "learner_step")

@@ -50,12 +50,8 @@ from pipeline.bench.rollout_decode import (
 )
 
 BENCH = "learner_step"
-H200_BF16_PEAK = 989e12
-TRAIN_RANGES = (
-    "train/forward",
-    "train/backward",
-    "train/optimizer",
-)  # marked by TrainEngine  # dense bf16 FLOP/s of one H200 (SXM), without sparsity
+H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s of one H200 (SXM), without sparsity
+TRAIN_RANGES = ("train/forward", "train/backward", "train/optimizer")  # marked by TrainEngine
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"shape": "0.5b", "batch": 16, "seq": 512},
@@ -122,6 +118,14 @@ def parse_variant(text: str) -> dict[str, Any]:
     return out
 
 
+def tagged_path(path: str | None, tag: str) -> str | None:
+    """`path` with "-tag" before its .json suffix (one trace file per timed trainer)."""
+    if path is None:
+        return None
+    cut = path.find(".json")
+    return f"{path[:cut]}-{tag}{path[cut:]}" if cut >= 0 else f"{path}-{tag}"
+
+
 def trainer_config(
     args: argparse.Namespace, peak: float, *, kl: bool, overrides: dict[str, Any] | None = None
 ) -> Any:
@@ -156,6 +160,7 @@ def run_ours(
     *,
     kl: bool,
     overrides: dict[str, Any] | None = None,
+    trace: str | None = None,
 ) -> tuple[list[float], dict[str, Any]]:
     from pipeline.algorithms import AlgorithmConfig
     from pipeline.training import PolicyTrainer
@@ -178,7 +183,7 @@ def run_ours(
         runs.append(seconds)
     progress(f"ours (kl={kl}, {overrides or 'profile'}): {[round(x, 4) for x in runs]} s")
     profiled = (
-        print_profile(step, device, rows=50, ranges=TRAIN_RANGES, trace=args.trace)
+        print_profile(step, device, rows=50, ranges=TRAIN_RANGES, trace=trace)
         if args.torch_profile
         else None
     )
@@ -283,11 +288,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         experience, ids = synthetic_batch(
             args.batch, args.seq, args.prompt, config.vocab_size, args.seed
         )
-        ours, ours_info = run_ours(model_dir, experience, args, device, peak, kl=False)
+        ours, ours_info = run_ours(
+            model_dir, experience, args, device, peak, kl=False, trace=args.trace
+        )
         free_memory(device)
         variants: dict[str, list[float]] = {}
         variant_info: dict[str, Any] = {}
-        for text in args.variant:
+        for i, text in enumerate(args.variant, 1):
             name = f"ours[{text}]"
             try:
                 runs, vinfo = run_ours(
@@ -298,6 +305,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     peak,
                     kl=False,
                     overrides=parse_variant(text),
+                    trace=tagged_path(args.trace, f"v{i}"),
                 )
             except Exception as exc:  # a variant is an experiment: report it, keep the rest
                 progress(f"{name} failed: {type(exc).__name__}: {exc}")
@@ -309,7 +317,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             free_memory(device)
         ours_kl: list[float] | None = None
         if args.kl:
-            ours_kl, _ = run_ours(model_dir, experience, args, device, peak, kl=True)
+            ours_kl, _ = run_ours(
+                model_dir,
+                experience,
+                args,
+                device,
+                peak,
+                kl=True,
+                trace=tagged_path(args.trace, "kl"),
+            )
             free_memory(device)
         hf, hf_info = run_hf(model_dir, ids, args, device)
         free_memory(device)
@@ -434,7 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kl", action="store_true", help="also time the KL-loss variant")
     ap.add_argument("--torch-profile", action="store_true", help="print a torch.profiler table")
     ap.add_argument(
-        "--trace", default=None, help="with --torch-profile: write the timeline (.json[.gz])"
+        "--trace",
+        default=None,
+        help="with --torch-profile: write the timeline (.json[.gz]); variants add -v1, -v2...",
     )
     ap.add_argument(
         "--sync-debug", action="store_true", help="list where a step makes the host wait (CUDA)"

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from pipeline.training.optim import clip_scale_and_skip
+
 if TYPE_CHECKING:  # precision.py imports FlatLayout from here
     from pipeline.training.precision import ComputeWeights
 
@@ -141,10 +143,7 @@ class FlatAdamW:
         """Clip and update with no host sync; (total norm, skipped flag) as device scalars,
         with the semantics of `optim.guarded_step`."""
         norm = torch.linalg.vector_norm(self.grads)  # gaps are zero
-        found_inf = (bad | ~torch.isfinite(norm)).to(torch.float32)
-        scale = None
-        if max_norm is not None:
-            scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        scale, found_inf = clip_scale_and_skip(norm, max_norm, bad)
         torch._foreach_add_(self._steps, 1.0 - found_inf)  # a skipped step is not counted
         group = self.optimizer.param_groups[0]
         beta1, beta2 = group["betas"]

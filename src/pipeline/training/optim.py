@@ -109,6 +109,18 @@ def is_fused(optimizer: torch.optim.Optimizer) -> bool:
     return all(bool(group.get("fused")) for group in optimizer.param_groups)
 
 
+def clip_scale_and_skip(
+    norm: torch.Tensor, max_norm: float | None, bad: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(grad_scale, found_inf) of a device-side guarded step: the divisor that clips to
+    `max_norm` (None: no clipping), and 1.0 where the update must be skipped (`bad`, e.g. a
+    non-finite loss, or a non-finite norm), as device tensors."""
+    found_inf = (bad | ~torch.isfinite(norm)).to(torch.float32)
+    if max_norm is None:
+        return None, found_inf
+    return torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0), found_inf
+
+
 def guarded_step(
     optimizer: torch.optim.Optimizer,
     params: Iterable[nn.Parameter],
@@ -128,10 +140,7 @@ def guarded_step(
         zero = bad.new_zeros((), dtype=torch.float32)
         return zero, bad.to(torch.float32)
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    found_inf = (bad | ~torch.isfinite(norm)).to(torch.float32)
-    scale = None
-    if max_norm is not None:
-        scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    scale, found_inf = clip_scale_and_skip(norm, max_norm, bad)
     optimizer.grad_scale, optimizer.found_inf = scale, found_inf  # type: ignore[attr-defined]
     try:
         optimizer.step()

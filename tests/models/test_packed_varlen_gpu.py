@@ -37,7 +37,9 @@ def test_packed_varlen_equals_each_sequence_alone():
     # gradients flow through the varlen kernel like through dense attention
     weight = torch.randn_like(packed[0, : sum(lengths)].float())
     (packed[0, : sum(lengths)].float() * weight).sum().backward()
-    packed_grad = model.model.layers[0].self_attn.q_proj.weight.grad.float().clone()
+    attn = model.model.layers[0].self_attn
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)  # k/v: 2 heads for 4 query heads
+    packed_grads = [m.weight.grad.float().clone() for m in projs]
     model.zero_grad()
     start, total = 0, 0.0
     for seq in seqs:
@@ -45,6 +47,36 @@ def test_packed_varlen_equals_each_sequence_alone():
         total = total + (alone * weight[start : start + len(seq)]).sum()
         start += len(seq)
     total.backward()
-    dense_grad = model.model.layers[0].self_attn.q_proj.weight.grad.float()
-    cos = torch.nn.functional.cosine_similarity(packed_grad.flatten(), dense_grad.flatten(), 0)
-    assert cos > 0.99, f"packed vs dense q_proj gradient cosine {cos:.4f}"
+    for m, packed_grad in zip(projs, packed_grads, strict=True):
+        dense_grad = m.weight.grad.float()
+        cos = torch.nn.functional.cosine_similarity(packed_grad.flatten(), dense_grad.flatten(), 0)
+        assert cos > 0.99, f"packed vs dense {m} gradient cosine {cos:.4f}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_grouped_varlen_equals_repeated_heads():
+    """k/v with 2 heads for 8 query heads, as they are (when this torch takes them) and
+    repeated: same output and gradients, over uneven sequences."""
+    from pipeline.models.attention import varlen_causal, varlen_grouped
+
+    dev = torch.device("cuda")
+    if not varlen_grouped(dev):
+        pytest.skip("this torch's varlen attention does not take grouped k/v heads")
+    gen = torch.Generator(device=dev).manual_seed(1)
+    total = 300
+    q, k, v = (
+        torch.randn(total, h, 64, device=dev, dtype=torch.bfloat16, generator=gen)
+        for h in (8, 2, 2)
+    )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cu = torch.tensor([0, 7, 140, 141, 300], device=dev)
+    weight = torch.randn(total, 8, 64, device=dev, generator=gen)
+    results = []
+    for grouped in (True, False):
+        out = varlen_causal(q, k, v, cu, 133, grouped=grouped)
+        grads = torch.autograd.grad((out.float() * weight).sum(), (q, k, v))
+        results.append((out, *grads))
+    for got, want in zip(*results, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

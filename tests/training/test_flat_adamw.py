@@ -150,3 +150,27 @@ def test_the_triton_kernel_equals_torch_fused_adamw_under_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_triton_kernel_equals_torch_fused_adamw_on_cuda():
     assert "flat kernel ok" in run_script(TRITON_CHECK.replace("import torch\n", CUDA, 1))
+
+
+def test_guarded_step_reads_nothing_back_before_the_update():
+    """The step counts' increment (1 - found_inf) stays on the device: a 0-dim tensor
+    passed where torch also accepts a Scalar is read back with `item` (a host sync on CUDA
+    that stalled every step until the backward had drained)."""
+    from torch.profiler import profile
+
+    model, weights, _, flat = _flat_setup()
+    _backward(model, weights, seed=1)
+    assert flat.ready()
+    with profile() as prof:
+        flat.guarded_step(1.0, torch.zeros((), dtype=torch.bool))
+
+    def inside_update(event: object) -> bool:  # the CPU fallback kernel may read its flags
+        parent = getattr(event, "cpu_parent", None)
+        while parent is not None:
+            if parent.name == "aten::_fused_adamw_":
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    reads = [e.name for e in prof.events() if e.name == "aten::item" and not inside_update(e)]
+    assert not reads, f"host reads outside the update kernel: {reads}"

@@ -28,6 +28,7 @@ class AttentionSpec:
     mask: (b, 1, q, k) bool, True = may attend; None means plain causal (is_causal=True).
     cu_seqlens/max_seqlen: packed sequences (batch 1) run through flash varlen attention
     (CUDA, half precision) with no mask at all; set only where `varlen_supported` said so.
+    grouped: the varlen kernel takes k/v with fewer heads as they are (`varlen_grouped`).
     cache/slots/columns/kv_len: set only on the KV-cache path; columns (b, t) are the cache
     columns to write (padding already redirected to the sink) and kv_len the columns to read.
     decode_lengths (b,): a decode step (t = 1) served by the in-place Triton kernel
@@ -41,6 +42,7 @@ class AttentionSpec:
     kv_len: int = 0
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    grouped: bool = False
     decode_lengths: torch.Tensor | None = None
 
 
@@ -112,7 +114,9 @@ def attend(
     b, s = q.shape[:2]
     if spec.cu_seqlens is not None:
         if q.dtype in (torch.bfloat16, torch.float16):
-            out = varlen_causal(q[0], k[0], v[0], spec.cu_seqlens, spec.max_seqlen)
+            out = varlen_causal(
+                q[0], k[0], v[0], spec.cu_seqlens, spec.max_seqlen, grouped=spec.grouped
+            )
             return out.reshape(b, s, attn.num_heads * attn.head_dim)
         if spec.mask is None:  # fp32 on CUDA: flash has no fp32 kernel; mask once per pass
             from pipeline.models.masks import packed_causal_mask
@@ -163,28 +167,36 @@ def varlen_supported(device: torch.device) -> bool:
 
 
 def varlen_causal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    grouped: bool = False,
 ) -> torch.Tensor:
-    """Causal attention inside each packed sequence: q (T, heads, d), k/v (T, kv_heads, d)."""
+    """Causal attention inside each packed sequence: q (T, heads, d), k/v (T, kv_heads, d).
+    grouped: k/v go in with their own heads (`varlen_grouped` said the kernel takes them);
+    otherwise they are repeated to the query heads."""
     from torch.nn.attention.varlen import varlen_attn
 
-    causal, native_gqa = _varlen_options()
+    causal, gqa_flag = _varlen_options()
     extra: dict[str, object] = dict(causal)
     if k.shape[1] != q.shape[1]:
-        if native_gqa:
-            extra["enable_gqa"] = True
-        else:
+        if not grouped:
             group = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
+        elif gqa_flag:
+            extra["enable_gqa"] = True
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **extra)  # (T, heads, d)
 
 
 @functools.cache
 def _varlen_options() -> tuple[dict[str, object], bool]:
-    """How this torch's varlen_attn says "causal", and whether it takes GQA as is (read
-    once: the signature changed between releases)."""
+    """How this torch's varlen_attn says "causal", and whether it has an `enable_gqa` flag
+    (read once: the signature changed between releases)."""
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
@@ -194,3 +206,37 @@ def _varlen_options() -> tuple[dict[str, object], bool]:
         {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     )
     return causal, "enable_gqa" in params
+
+
+@functools.cache
+def varlen_grouped(device: torch.device) -> bool:
+    """Whether varlen attention on `device` takes fewer k/v heads than query heads as they
+    are: with its `enable_gqa` flag where it has one, else (torch 2.11, whose flash kernels
+    group heads but whose wrapper has no flag) when a probe, forward and backward, matches
+    repeated heads. Call it outside torch.compile. Repeating costs a copy of k and v per
+    layer and a group sum in the backward (fused by inductor into a slow RoPE-backward
+    kernel: ~2.6 ms a step on the 0.5B shape on an H200)."""
+    if _varlen_options()[1]:
+        return True
+    from torch.nn.attention.varlen import varlen_attn
+
+    causal, _ = _varlen_options()
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(24, h, 64, device=device, dtype=torch.bfloat16, generator=gen)
+        for h in (4, 2, 2)
+    )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cu = torch.tensor([0, 9, 24], device=device, dtype=torch.int32)
+    try:
+        got = varlen_attn(q, k, v, cu, cu, 15, 15, **causal)
+        grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    except (RuntimeError, ValueError):
+        return False
+    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    want = varlen_attn(q, kr, vr, cu, cu, 15, 15, **causal)
+    wants = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    return all(
+        a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+        for a, b in zip((got, *grads), (want, *wants), strict=True)
+    )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.attention import Attention, AttentionSpec, varlen_supported
+from pipeline.models.attention import Attention, AttentionSpec, varlen_grouped, varlen_supported
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import KVCache
 from pipeline.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -124,7 +124,8 @@ class DecoderBase(nn.Module):
                 if int(cu[-1]) < total:  # tail padding: one more sequence of its own
                     cu = torch.cat([cu, cu.new_tensor([total])])
                 max_seqlen = int((cu[1:] - cu[:-1]).max())
-            spec = AttentionSpec(cu_seqlens=cu, max_seqlen=max_seqlen)
+            grouped = varlen_grouped(input_ids.device)
+            spec = AttentionSpec(cu_seqlens=cu, max_seqlen=max_seqlen, grouped=grouped)
             return self.model(input_ids, position_ids, spec)
         return self.model(
             input_ids, position_ids, AttentionSpec(mask=packed_causal_mask(cu, total))

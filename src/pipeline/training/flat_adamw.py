@@ -144,7 +144,10 @@ class FlatAdamW:
         with the semantics of `optim.guarded_step`."""
         norm = torch.linalg.vector_norm(self.grads)  # gaps are zero
         scale, found_inf = clip_scale_and_skip(norm, max_norm, bad)
-        torch._foreach_add_(self._steps, 1.0 - found_inf)  # a skipped step is not counted
+        # a skipped step is not counted; the increment goes in as a list of tensors: a bare
+        # 0-dim tensor binds to the Scalar overload, whose conversion waits for the device
+        inc = 1.0 - found_inf
+        torch._foreach_add_(self._steps, [inc] * len(self._steps))
         group = self.optimizer.param_groups[0]
         beta1, beta2 = group["betas"]
         args = (float(group["lr"]), float(beta1), float(beta2))

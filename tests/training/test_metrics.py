@@ -25,3 +25,18 @@ def test_undeclared_keys_are_errors():
         sums.add("b", 1.0)
     with pytest.raises(KeyError, match="max"):
         sums.max("a", 1.0)
+
+
+def test_reduce_with_reads_extra_scalars_alongside_the_sums():
+    sums = MetricSums(["a"], ["m"], torch.device("cpu"))
+    sums.add("a", 2.0)
+    sums.max("m", 1.0)
+    extra = [
+        torch.tensor(0.25),
+        torch.tensor(True).float(),
+        torch.tensor([7.0], dtype=torch.float16),
+    ]
+    values, got = sums.reduce_with(extra)
+    assert values == {"a": 2.0, "m": 1.0}
+    assert got == [0.25, 1.0, 7.0]
+    assert sums.reduce_with([]) == ({"a": 2.0, "m": 1.0}, [])

@@ -215,7 +215,7 @@ class CriticTrainer:
         stats = self.engine.run_epochs(batch, alg.loss_agg_mode, micro_loss, sums)
         sums.add("perf/tokens", float(stats.local_tokens))
         self.engine.train_steps += 1
-        raw = sums.reduce()
+        raw = self.engine.read_step(stats, sums)
         updates = max(stats.updates, 1)
         out: dict[str, Any] = {k: raw[k] / updates for k in keys}
         norms = stats.grad_norms

@@ -186,11 +186,29 @@ class TrainEngine:
 
     def settle_into(self, stats: EpochStats) -> None:
         """Read the queued update's outcome (one host sync), count it, step the schedule."""
+        if self._queued is not None:
+            self._settle(stats, torch.stack(self._queued_outcome()).tolist())
+
+    def read_step(self, stats: EpochStats, sums: MetricSums) -> dict[str, float]:
+        """End of a train step: the metric sums (reduced across ranks) and the outcome of
+        the update `run_epochs` left queued, in one read of the device (two reads left the
+        device idle between them while the host settled the first), then settle it."""
+        raw, outcome = sums.reduce_with(self._queued_outcome())
+        if self._queued is not None:
+            self._settle(stats, outcome)
+        return raw
+
+    def _queued_outcome(self) -> list[Tensor]:
+        """(norm, skipped flag, non-finite loss flag) of the queued update as float device
+        scalars, or nothing."""
         if self._queued is None:
-            return
+            return []
         norm, skipped_flag, bad = self._queued
+        return [norm.float(), skipped_flag.float(), bad.float()]
+
+    def _settle(self, stats: EpochStats, outcome: list[float]) -> None:
+        grad_norm, flag, bad_loss = outcome
         self._queued = None
-        grad_norm, flag, bad_loss = torch.stack([norm.float(), skipped_flag, bad.float()]).tolist()
         stats.count(self._record(grad_norm, skipped=flag > 0, nonfinite_loss=bad_loss > 0))
 
     def _record(self, grad_norm: float, *, skipped: bool, nonfinite_loss: bool) -> UpdateOutcome:
@@ -226,6 +244,7 @@ class TrainEngine:
 
         Each micro-batch metric is added times the micro-batch's share of its global
         mini-batch, so after the cross-rank sum it is a mean over mini-batches * updates.
+        The last update may stay queued on the device: end the step with `read_step`.
         """
         # the device refreshes the compute copies while the host plans
         with self._compute.prepared() if self._compute is not None else contextlib.nullcontext():
@@ -276,7 +295,6 @@ class TrainEngine:
                         self.queue_update(bad)
                     else:
                         stats.count(self.apply_gradients(bool(bad), empty=plan.global_units == 0))
-        self.settle_into(stats)
         return stats
 
     # -- checkpoints ------------------------------------------------------------------

@@ -9,7 +9,7 @@ must all-reduce identical vectors.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -65,14 +65,21 @@ class MetricSums:
     def reduce(self) -> dict[str, float]:
         """Global values (sum over ranks / max over ranks) as floats: one collective per
         kind, and one read of the device."""
+        return self.reduce_with([])[0]
+
+    def reduce_with(self, extra: Sequence[Tensor]) -> tuple[dict[str, float], list[float]]:
+        """`reduce`, and the values of this rank's `extra` device scalars (not reduced)
+        from the same read of the device."""
         sums = self._sum_vec + self._host_vector(self._host_sums, self.sum_keys)
         maxes = torch.maximum(self._max_vec, self._host_vector(self._host_maxes, self.max_keys))
         if self.sum_keys:  # no-ops without a process group
             sums = all_reduce_(sums, "sum")
         if self.max_keys:
             maxes = all_reduce_(maxes, "max")
-        values = torch.cat([sums, maxes]).tolist()
-        return dict(zip([*self.sum_keys, *self.max_keys], values, strict=True))
+        tail = [t.detach().reshape(1).to(sums) for t in extra]
+        values = torch.cat([sums, maxes, *tail]).tolist()
+        keys = [*self.sum_keys, *self.max_keys]
+        return dict(zip(keys, values[: len(keys)], strict=True)), values[len(keys) :]
 
     def _host_vector(self, values: dict[str, float], keys: list[str]) -> Tensor:
         host = torch.tensor([values[k] for k in keys], dtype=torch.float64)

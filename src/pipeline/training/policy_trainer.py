@@ -193,7 +193,6 @@ class PolicyTrainer:
         sums = MetricSums(
             [*micro_keys, *_BATCH_KEYS, *kl_keys], ["mismatch/max_abs_diff"], self.info.device
         )
-        self._batch_counts(sums, batch)
         prox = is_w = None  # fused: each micro-batch takes them from its own forward
         if not fused:
             prox = self.compute_logprobs(batch)  # (n, R)
@@ -209,9 +208,10 @@ class PolicyTrainer:
             return self._micro_loss(dev, host, batch, inputs, sums)
 
         stats = self.engine.run_epochs(batch, alg.loss_agg_mode, micro_loss, sums)
+        self._batch_counts(sums, batch)  # host sums: after the device has its work
         sums.add("perf/tokens", float(stats.local_tokens))
         self.engine.train_steps += 1
-        raw = sums.reduce()
+        raw = self.engine.read_step(stats, sums)
         return self._finish_metrics(raw, stats, kl_keys, time.perf_counter() - start)
 
     def _micro_loss(

@@ -59,12 +59,18 @@ class ComputeWeights:
                 for p, view in zip(self.params, layout.views(masters), strict=True):
                     view.copy_(p.data)
                     p.data = view
-            self._low = layout.views(layout.buffer(first, dtype))
+            self._flat_low: Tensor | None = layout.buffer(first, dtype)
+            self._low = layout.views(self._flat_low)
             # their reused storage
             self._buffers: list[Tensor | None] = list(layout.views(self.flat_grads))
+            self._master_views: list[Tensor] | None = layout.views(masters)
+            self._master_ptrs = [v.data_ptr() for v in self._master_views]
         else:
+            self._flat_low = None
             self._low = [torch.empty_like(p, dtype=dtype) for p in self.params]
             self._buffers = [None] * len(self.params)
+            self._master_views = None
+            self._master_ptrs = []
         self.active = False
         self._prepared = False  # the copies were refreshed by `prepare` for the next entry
 
@@ -102,13 +108,34 @@ class ComputeWeights:
             buf = self._buffers[i] = torch.empty_like(self.params[i], dtype=torch.float32)
         return buf
 
+    def _masters(self) -> list[Tensor]:
+        """The parameters' float32 masters, read each time (a checkpoint load may have
+        replaced them) unless every one is still its view of the flat buffer (a load copies
+        into them): 290 `.data` reads cost the host ~0.2 ms a step."""
+        views = self._master_views
+        if views is not None and all(
+            p.data_ptr() == ptr for p, ptr in zip(self.params, self._master_ptrs, strict=True)
+        ):
+            return views
+        return [p.data for p in self.params]
+
     @torch.no_grad()
+    def _refresh(self, masters: list[Tensor]) -> None:
+        """Compute copies = masters: one copy of the flat buffer when the masters are its
+        views (one launch instead of a foreach over ~290 tensors: ~1 ms of host time on an
+        H200 host, spent while the device idled at the start of a step)."""
+        if masters is self._master_views and self._flat_low is not None:
+            assert self.flat_masters is not None
+            self._flat_low.copy_(self.flat_masters)  # gaps are zero in both
+        else:
+            torch._foreach_copy_(self._low, masters)
+
     def prepare(self) -> None:
         """Queue the refresh of the compute copies now, for the next entry to skip it: the
         device copies while the host still plans the step. The next entry (or `discard`)
         consumes it, so the masters must not change in between."""
         if not self.active:
-            torch._foreach_copy_(self._low, [p.data for p in self.params])
+            self._refresh(self._masters())
             self._prepared = True
 
     def discard(self) -> None:
@@ -131,10 +158,9 @@ class ComputeWeights:
         if self.active:
             yield
             return
-        masters = [p.data for p in self.params]  # read each time: a checkpoint load may
-        if not self._prepared:  # have replaced them
-            with torch.no_grad():
-                torch._foreach_copy_(self._low, masters)
+        masters = self._masters()
+        if not self._prepared:
+            self._refresh(masters)
         self._prepared = False
         for i, (p, low) in enumerate(zip(self.params, self._low, strict=True)):
             self._grads[i], p.grad = p.grad, None  # float32 gradients so far keep adding up

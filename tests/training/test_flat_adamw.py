@@ -41,11 +41,14 @@ def _flat_setup(
     return model, weights, optimizer, flat
 
 
-def _backward(model: nn.Module, weights: ComputeWeights, seed: int, scale: float = 1.0) -> None:
+def _backward(
+    model: nn.Module, weights: ComputeWeights, seed: int, scale: float = 1.0, defer: bool = False
+) -> None:
+    """One backward inside `weights` (with `defer`, its gradients stay pending in bf16)."""
     x = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed)).to(
         weights.params[0].device
     )
-    with weights():
+    with weights(defer=defer):
         (scale * model(x.bfloat16()).square().sum()).backward()
 
 
@@ -125,18 +128,25 @@ from tests.training.test_flat_adamw import _backward, _flat_setup
 
 assert flat_adamw._triton_runs(torch.zeros(1, device=DEVICE))
 results = []
-for use_triton in (True, False):
+# Triton reading the float32 accumulators; Triton reading the pending bf16 gradients in
+# place (GradTable); torch's fused kernel (pending gradients copied to float32 first)
+for use_triton, defer in ((True, False), (True, True), (False, True)):
     flat_adamw._triton_runs = (lambda t: True) if use_triton else (lambda t: False)
     model, weights, optimizer, flat = _flat_setup(DEVICE)
+    norms = []
     for step in range(3):
         optimizer.param_groups[0]["lr"] = 1e-2 / (step + 1)
-        _backward(model, weights, seed=step, scale=50.0 if step == 1 else 1.0)
+        _backward(model, weights, seed=step, scale=50.0 if step == 1 else 1.0, defer=defer)
+        assert (weights.pending_grads() is not None) == defer
         assert flat.ready()
-        flat.guarded_step(0.5, torch.tensor(step == 2, device=DEVICE))
+        norm, _ = flat.guarded_step(0.5, torch.tensor(step == 2, device=DEVICE))
+        assert weights.pending_grads() is None
+        norms.append(norm)
         optimizer.zero_grad(set_to_none=True)
-    results.append([t.clone() for t in (flat.masters, flat.exp_avg, flat.exp_avg_sq)])
-for a, b in zip(*results):
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    results.append([t.clone() for t in (flat.masters, flat.exp_avg, flat.exp_avg_sq, *norms)])
+for other in results[1:]:
+    for a, b in zip(results[0], other):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 print("flat kernel ok")
 """
 

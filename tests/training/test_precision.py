@@ -89,3 +89,66 @@ def test_prepare_refreshes_the_copies_for_the_next_entry_only():
     with torch.no_grad():
         first.add_(1.0)
     assert torch.equal(inside(), first.detach().bfloat16())
+
+
+@pytest.mark.parametrize("backwards", [1, 3])
+def test_deferred_gradients_stay_pending_for_one_backward_and_add_up_for_several(backwards):
+    """Under `defer` (flat layout), a single backward's bf16 gradients are kept as they are
+    for the optimizer; `materialize` gives exactly what a plain entry leaves. A second
+    backward moves the first one's into float32 and accumulates as usual."""
+    xs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    results = []
+    for defer in (True, False):
+        model = _model()
+        weights = ComputeWeights(model, torch.bfloat16, flat=True)
+        with weights(defer=defer):
+            for x in xs[:backwards]:
+                model(x.to(torch.bfloat16)).square().sum().backward()
+                weights.flush()
+        pending = weights.pending_grads()
+        if defer and backwards == 1:
+            assert pending is not None and all(g.dtype == torch.bfloat16 for g in pending)
+            # .grad already names the float32 accumulators (for the flat optimizer's checks)
+            assert weights.layout is not None and weights.flat_grads is not None
+            assert weights.layout.holds(weights.flat_grads, [p.grad for p in model.parameters()])
+            weights.materialize()
+            assert weights.pending_grads() is None
+            for p, g in zip(model.parameters(), pending, strict=True):
+                assert torch.equal(p.grad, g.float())
+        else:
+            assert pending is None
+        results.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_an_unconsumed_deferral_is_materialized_by_the_next_entry():
+    model = _model()
+    weights = ComputeWeights(model, torch.bfloat16, flat=True)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    with weights(defer=True):
+        model(x.to(torch.bfloat16)).square().sum().backward()
+    assert weights.pending_grads() is not None
+    with weights():  # gradients so far keep adding up, the pending ones included
+        model(y.to(torch.bfloat16)).square().sum().backward()
+    assert weights.pending_grads() is None
+    plain = _model()
+    expected = [a + b for a, b in zip(_bf16_grads(plain, x), _bf16_grads(plain, y), strict=True)]
+    for p, want in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, want, rtol=1e-6, atol=1e-6)
+
+
+def test_deferral_needs_the_flat_layout_and_an_exception_drops_pending():
+    model = _model()
+    weights = ComputeWeights(model, torch.bfloat16)  # not flat: nothing reads bf16 in place
+    with weights(defer=True):
+        model(torch.randn(2, 6).to(torch.bfloat16)).sum().backward()
+    assert weights.pending_grads() is None and next(model.parameters()).grad is not None
+    flat_model = _model()
+    flat = ComputeWeights(flat_model, torch.bfloat16, flat=True)
+    with pytest.raises(RuntimeError, match="boom"), flat(defer=True):
+        flat_model(torch.randn(2, 6).to(torch.bfloat16)).sum().backward()
+        flat.flush()
+        raise RuntimeError("boom")
+    assert flat.pending_grads() is None
+    assert all(p.grad is None and p.dtype == torch.float32 for p in flat_model.parameters())

@@ -138,10 +138,14 @@ class TrainEngine:
         self.skipped_steps = 0
         self.train_steps = 0  # train_step calls completed (the trainer's step counter)
 
-    def compute_weights(self) -> contextlib.AbstractContextManager[None]:
+    def compute_weights(self, *, defer: bool = False) -> contextlib.AbstractContextManager[None]:
         """Forward/backward precision: low-precision copies of the float32 masters in a single
-        process (see precision.py); FSDP's mixed-precision policy when sharded."""
-        return self._compute() if self._compute is not None else contextlib.nullcontext()
+        process (see precision.py); FSDP's mixed-precision policy when sharded. `defer`: the
+        gradients of a single backward may stay pending for the flat optimizer, which the
+        next update reads (`queue_update` / `apply_gradients`)."""
+        if self._compute is None:
+            return contextlib.nullcontext()
+        return self._compute(defer=defer and self._flat is not None)
 
     def begin_forward(self) -> None:
         """Before each micro-batch forward: under CUDA graphs (compile_mode reduce-overhead)
@@ -157,6 +161,8 @@ class TrainEngine:
         """Clip, then step the optimizer and schedule, unless the loss on any rank or the
         global gradient norm is non-finite: then the gradients are dropped and the step is
         counted as skipped, so one bad batch cannot poison the weights or Adam's moments."""
+        if self._compute is not None:
+            self._compute.materialize()
         norm = clip_grad_norm(self.model.parameters(), self.config.grad_clip)
         any_bad = all_reduce_ints([int(local_nonfinite)], "max")[0] > 0
         grad_norm = float(norm)
@@ -178,6 +184,8 @@ class TrainEngine:
         if self._flat is not None and self._flat.ready():
             norm, skipped = self._flat.guarded_step(self.config.grad_clip, nonfinite_loss)
         else:
+            if self._compute is not None:
+                self._compute.materialize()
             norm, skipped = guarded_step(
                 self.optimizer, self.model.parameters(), self.config.grad_clip, nonfinite_loss
             )
@@ -271,7 +279,7 @@ class TrainEngine:
                 )
             for plan in plans:
                 bad = torch.zeros((), dtype=torch.bool, device=self.info.device)
-                with self.compute_weights():
+                with self.compute_weights(defer=True):
                     for mb, weight, share in zip(
                         plan.micro_batches, plan.weights, plan.shares, strict=True
                     ):

@@ -82,6 +82,7 @@ class FlatAdamW:
         if weights.layout is None or weights.flat_masters is None or weights.flat_grads is None:
             raise ValueError("FlatAdamW needs ComputeWeights(..., flat=True)")
         self.optimizer = optimizer
+        self.weights = weights
         self.params = weights.params
         self.layout = weights.layout
         self.masters, self.grads = weights.flat_masters, weights.flat_grads
@@ -89,6 +90,7 @@ class FlatAdamW:
         self.exp_avg_sq = self.layout.buffer(self.masters, torch.float32)
         self._steps: list[Tensor] = []
         self.disabled = False
+        self._table: GradTable | None = None  # built on the first step from pending grads
         self.bind_state()
 
     def bind_state(self) -> None:
@@ -141,8 +143,20 @@ class FlatAdamW:
     @torch.no_grad()
     def guarded_step(self, max_norm: float | None, bad: Tensor) -> tuple[Tensor, Tensor]:
         """Clip and update with no host sync; (total norm, skipped flag) as device scalars,
-        with the semantics of `optim.guarded_step`."""
-        norm = torch.linalg.vector_norm(self.grads)  # gaps are zero
+        with the semantics of `optim.guarded_step`. Gradients left pending by a deferred
+        `ComputeWeights` entry (one micro-batch) are read as they are, in low precision,
+        through a table of their addresses; otherwise from the float32 accumulators."""
+        pending = self.weights.pending_grads() if _triton_runs(self.masters) else None
+        if pending is None:
+            self.weights.materialize()
+            norm = torch.linalg.vector_norm(self.grads)  # gaps are zero
+            table = None
+        else:
+            if self._table is None:
+                self._table = GradTable(self.layout, pending[0].dtype, self.masters.device)
+            table = self._table
+            table.point_at(pending)
+            norm = table.norm()
         scale, found_inf = clip_scale_and_skip(norm, max_norm, bad)
         # a skipped step is not counted; the increment goes in as a list of tensors: a bare
         # 0-dim tensor binds to the Scalar overload, whose conversion waits for the device
@@ -152,7 +166,10 @@ class FlatAdamW:
         beta1, beta2 = group["betas"]
         args = (float(group["lr"]), float(beta1), float(beta2))
         args += (float(group["eps"]), float(group["weight_decay"]))
-        if _triton_runs(self.masters):
+        if table is not None:
+            table.step(self, found_inf, scale, *args)
+            self.weights.drop_pending()  # the kernel is queued: the allocator orders reuse
+        elif _triton_runs(self.masters):
             _triton_step(self, found_inf, scale, *args)
         else:
             torch._fused_adamw_(
@@ -175,6 +192,81 @@ class FlatAdamW:
         # the schedule checks that the optimizer stepped before it (torch's flag for it)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return norm, found_inf
+
+
+class GradTable:
+    """Per-parameter low-precision gradients read in place by one kernel: a static table
+    of (parameter, first element) per block of the flat layout, and each step the
+    gradients' addresses (one small host-to-device copy)."""
+
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> None:
+        counts = [-(-shape.numel() // BLOCK) for shape in layout.shapes]
+        param = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        first = torch.cat([torch.arange(c) * BLOCK for c in counts])
+        self.blocks = len(param)
+        self.block_param = param.to(device=device, dtype=torch.int32)
+        self.block_first = first.to(device=device, dtype=torch.int64)
+        self.numel = torch.tensor([s.numel() for s in layout.shapes], device=device)
+        self.offset = torch.tensor(layout.offsets, dtype=torch.int64, device=device)
+        self.dtype = dtype
+        self.addresses = torch.empty(len(counts), dtype=torch.int64, device=device)
+        self.partial = torch.empty(self.blocks, dtype=torch.float32, device=device)
+
+    def point_at(self, grads: list[Tensor]) -> None:
+        """This step's gradient addresses (each contiguous, of the table's dtype). Freeing
+        the gradients after the kernels are queued is safe: the allocator hands their
+        memory out again only to work queued later on the same stream."""
+        host = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+        if self.addresses.is_cuda:  # a pinned block is reused only after its copy ran
+            host = host.pin_memory()
+        self.addresses.copy_(host, non_blocking=True)
+
+    def norm(self) -> Tensor:
+        _sumsq_kernel[(self.blocks,)](
+            self.addresses,
+            self.block_param,
+            self.block_first,
+            self.numel,
+            self.partial,
+            G_DTYPE=_TL_DTYPES[self.dtype],
+            BLOCK=BLOCK,
+            num_warps=8,
+        )
+        return self.partial.sum().sqrt()
+
+    def step(
+        self,
+        flat: FlatAdamW,
+        found_inf: Tensor,
+        scale: Tensor | None,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+    ) -> None:
+        _adamw_table_kernel[(self.blocks,)](
+            flat.masters,
+            self.addresses,
+            flat.exp_avg,
+            flat.exp_avg_sq,
+            self.block_param,
+            self.block_first,
+            self.numel,
+            self.offset,
+            flat._steps[0],
+            found_inf,
+            scale if scale is not None else found_inf,  # unread without HAS_SCALE
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            HAS_SCALE=scale is not None,
+            G_DTYPE=_TL_DTYPES[self.dtype],
+            BLOCK=BLOCK,
+            num_warps=8,
+        )
 
 
 def _triton_runs(t: Tensor) -> bool:
@@ -215,6 +307,17 @@ def _triton_step(
 
 
 if triton is not None:
+    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+    @triton.jit
+    def _adamw_math(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+        p = p - lr * weight_decay * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        bias1 = 1.0 - tl.exp(step * tl.log(beta1))
+        bias2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
+        p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        return p, m, v
 
     @triton.jit
     def _adamw_kernel(
@@ -245,12 +348,66 @@ if triton is not None:
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        p = p - lr * weight_decay * p
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        bias1 = 1.0 - tl.exp(step * tl.log(beta1))
-        bias2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
-        p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        p, m, v = _adamw_math(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay)
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+
+    @triton.jit
+    def _sumsq_kernel(
+        addr_ptr,
+        block_param_ptr,
+        block_first_ptr,
+        numel_ptr,
+        partial_ptr,
+        G_DTYPE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        i = tl.load(block_param_ptr + pid)
+        offs = tl.load(block_first_ptr + pid) + tl.arange(0, BLOCK)
+        g_ptr = tl.load(addr_ptr + i).to(tl.pointer_type(G_DTYPE))
+        g = tl.load(g_ptr + offs, mask=offs < tl.load(numel_ptr + i), other=0.0).to(tl.float32)
+        tl.store(partial_ptr + pid, tl.sum(g * g, axis=0))
+
+    @triton.jit
+    def _adamw_table_kernel(
+        p_ptr,
+        addr_ptr,
+        m_ptr,
+        v_ptr,
+        block_param_ptr,
+        block_first_ptr,
+        numel_ptr,
+        offset_ptr,
+        step_ptr,
+        found_inf_ptr,
+        scale_ptr,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        HAS_SCALE: tl.constexpr,
+        G_DTYPE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        i = tl.load(block_param_ptr + pid)
+        offs = tl.load(block_first_ptr + pid) + tl.arange(0, BLOCK)
+        # a skipped step reads and writes nothing
+        limit = tl.where(tl.load(found_inf_ptr) == 0, tl.load(numel_ptr + i), 0)
+        mask = offs < limit
+        step = tl.load(step_ptr).to(tl.float32)
+        g_ptr = tl.load(addr_ptr + i).to(tl.pointer_type(G_DTYPE))
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g / tl.load(scale_ptr)
+        flat = tl.load(offset_ptr + i) + offs
+        p = tl.load(p_ptr + flat, mask=mask, other=0.0)
+        m = tl.load(m_ptr + flat, mask=mask, other=0.0)
+        v = tl.load(v_ptr + flat, mask=mask, other=0.0)
+        p, m, v = _adamw_math(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay)
+        tl.store(p_ptr + flat, p, mask=mask)
+        tl.store(m_ptr + flat, m, mask=mask)
+        tl.store(v_ptr + flat, v, mask=mask)

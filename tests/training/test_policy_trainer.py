@@ -4,6 +4,7 @@ critic-free advantages and the errors that name a fix."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from pipeline.algorithms import AlgorithmConfig
 from pipeline.errors import ConfigError
 from pipeline.training import BatchError, PolicyTrainer, TrainerConfig
+from pipeline.training.precision import ComputeWeights
 
 from ._helpers import make_batch, save_tiny_model, state_of
 
@@ -118,6 +120,36 @@ def test_flat_optimizer_updates_like_torch_adamw_in_bf16_compute(model_dir: Path
         states.append(state_of(trainer.model))
         norms.append(metrics["actor/grad_norm"])
     assert norms[1] == pytest.approx(norms[0], rel=1e-5) and norms[0] > 0.05
+    for name, value in states[0].items():
+        torch.testing.assert_close(states[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _overwrite_pending(weights: ComputeWeights) -> Callable[..., None]:
+    """A forward pre-hook that zeroes pending gradients, as a CUDA graph replay would."""
+
+    def hook(*_: object) -> None:
+        for g in weights.pending_grads() or []:
+            g.zero_()
+
+    return hook
+
+
+def test_pending_gradients_are_safe_from_the_next_micro_batch_forward(model_dir: Path):
+    """The flat optimizer reads one micro-batch's bf16 gradients in place; they may be CUDA
+    graph outputs, which the next replay overwrites. Simulated here: each trunk forward zeroes
+    whatever is still pending. With several micro-batches per update (max 30 tokens) the
+    engine must have moved them to float32 first: training equals the torch optimizer's."""
+    config = CONFIG.replace(param_dtype="bfloat16", fused_optimizer=True, grad_clip=0.05)
+    states = []
+    for flat in (False, True):
+        trainer = PolicyTrainer(model_dir, config.replace(flat_optimizer=flat), AlgorithmConfig())
+        weights = trainer.engine._compute
+        assert weights is not None
+        trainer.model.model.register_forward_pre_hook(_overwrite_pending(weights))
+        for seed in (4, 5):
+            trainer.train_step(make_batch(seed=seed))
+        assert (trainer.engine._flat is not None and not trainer.engine._flat.disabled) == flat
+        states.append(state_of(trainer.model))
     for name, value in states[0].items():
         torch.testing.assert_close(states[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -149,7 +149,10 @@ class TrainEngine:
 
     def begin_forward(self) -> None:
         """Before each micro-batch forward: under CUDA graphs (compile_mode reduce-overhead)
-        a new step begins, so the previous replay's outputs may be overwritten."""
+        a new step begins, so the previous replay's outputs may be overwritten; gradients
+        left pending by a deferred backward (such outputs) go to float32 first."""
+        if self._compute is not None:
+            self._compute.materialize()
         if self.config.compile and self.config.compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
 

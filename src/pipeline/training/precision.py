@@ -128,7 +128,9 @@ class ComputeWeights:
         parameter order, not yet in the float32 accumulators (whose `.grad` views hold stale
         values until `materialize`); None when there are none. An optimizer that reads them
         (FlatAdamW) saves the float32 copy and its read: ~1 ms a step on a 0.5B model on an
-        H200. It must `drop_pending` after queueing its update."""
+        H200. It must `drop_pending` after queueing its update. They may be outputs of a
+        CUDA graph, which its next replay overwrites: `materialize` before another forward
+        (`TrainEngine.begin_forward` does)."""
         return self._pending
 
     def drop_pending(self) -> None:

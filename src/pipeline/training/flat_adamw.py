@@ -37,6 +37,7 @@ except ImportError:  # CPU installs
 
 ALIGN = 64  # elements: every view starts 256 B (float32) / 128 B (bfloat16) aligned
 BLOCK = 2048
+_VECTOR = 8  # 16-byte vectors of 2-byte gradients
 
 
 @dataclass(frozen=True)
@@ -147,15 +148,17 @@ class FlatAdamW:
         `ComputeWeights` entry (one micro-batch) are read as they are, in low precision,
         through a table of their addresses; otherwise from the float32 accumulators."""
         pending = self.weights.pending_grads() if _triton_runs(self.masters) else None
+        if pending is not None and self._table is None:
+            self._table = GradTable(self.layout, pending[0].dtype, self.masters.device)
+        if pending is not None and not self._table.point_at(pending):  # type: ignore[union-attr]
+            pending = None
         if pending is None:
             self.weights.materialize()
             norm = torch.linalg.vector_norm(self.grads)  # gaps are zero
             table = None
         else:
-            if self._table is None:
-                self._table = GradTable(self.layout, pending[0].dtype, self.masters.device)
             table = self._table
-            table.point_at(pending)
+            assert table is not None
             norm = table.norm()
         scale, found_inf = clip_scale_and_skip(norm, max_norm, bad)
         # a skipped step is not counted; the increment goes in as a list of tensors: a bare
@@ -206,29 +209,46 @@ class GradTable:
         self.blocks = len(param)
         self.block_param = param.to(device=device, dtype=torch.int32)
         self.block_first = first.to(device=device, dtype=torch.int64)
-        self.numel = torch.tensor([s.numel() for s in layout.shapes], device=device)
+        numel = torch.tensor([s.numel() for s in layout.shapes], dtype=torch.int64)
+        self.numel = numel.to(device)
+        # the kernels' bound, rounded up to whole 16-byte vectors so that loads and stores
+        # vectorize: the extra elements read lie in the gradient's allocation (the caching
+        # allocator rounds to 512 B), count as zero, and land in the layout's zero gaps
+        self.numel16 = (-(-numel // _VECTOR) * _VECTOR).to(device)
         self.offset = torch.tensor(layout.offsets, dtype=torch.int64, device=device)
         self.dtype = dtype
-        self.addresses = torch.empty(len(counts), dtype=torch.int64, device=device)
+        self.base: Tensor | None = None
+        self.deltas = torch.empty(len(counts), dtype=torch.int64, device=device)
         self.partial = torch.empty(self.blocks, dtype=torch.float32, device=device)
 
-    def point_at(self, grads: list[Tensor]) -> None:
-        """This step's gradient addresses (each contiguous, of the table's dtype). Freeing
-        the gradients after the kernels are queued is safe: the allocator hands their
-        memory out again only to work queued later on the same stream."""
-        host = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
-        if self.addresses.is_cuda:  # a pinned block is reused only after its copy ran
+    def point_at(self, grads: list[Tensor]) -> bool:
+        """Point the kernels at this step's gradients (each contiguous, of the table's
+        dtype), as element offsets from the first one's address; False (read nothing) when
+        one is not 16-byte aligned. Freeing the gradients after the kernels are queued is
+        safe: the allocator hands their memory out again only to work queued later on the
+        same stream."""
+        size = grads[0].element_size()
+        addresses = [g.data_ptr() for g in grads]
+        if any(g.dtype != self.dtype for g in grads) or _VECTOR * size != 16:
+            return False
+        if any(a % 16 for a in addresses):
+            return False
+        host = torch.tensor([(a - addresses[0]) // size for a in addresses], dtype=torch.int64)
+        if self.deltas.is_cuda:  # a pinned block is reused only after its copy ran
             host = host.pin_memory()
-        self.addresses.copy_(host, non_blocking=True)
+        self.deltas.copy_(host, non_blocking=True)
+        self.base = grads[0]
+        return True
 
     def norm(self) -> Tensor:
         _sumsq_kernel[(self.blocks,)](
-            self.addresses,
+            self.base,
+            self.deltas,
             self.block_param,
             self.block_first,
             self.numel,
+            self.numel16,
             self.partial,
-            G_DTYPE=_TL_DTYPES[self.dtype],
             BLOCK=BLOCK,
             num_warps=8,
         )
@@ -247,12 +267,14 @@ class GradTable:
     ) -> None:
         _adamw_table_kernel[(self.blocks,)](
             flat.masters,
-            self.addresses,
+            self.base,
+            self.deltas,
             flat.exp_avg,
             flat.exp_avg_sq,
             self.block_param,
             self.block_first,
             self.numel,
+            self.numel16,
             self.offset,
             flat._steps[0],
             found_inf,
@@ -263,7 +285,6 @@ class GradTable:
             eps,
             weight_decay,
             HAS_SCALE=scale is not None,
-            G_DTYPE=_TL_DTYPES[self.dtype],
             BLOCK=BLOCK,
             num_warps=8,
         )
@@ -307,7 +328,6 @@ def _triton_step(
 
 
 if triton is not None:
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
     def _adamw_math(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
@@ -354,31 +374,53 @@ if triton is not None:
         tl.store(v_ptr + offs, v, mask=mask)
 
     @triton.jit
-    def _sumsq_kernel(
-        addr_ptr,
+    def _table_block(
+        g_base,
+        delta_ptr,
         block_param_ptr,
         block_first_ptr,
         numel_ptr,
-        partial_ptr,
-        G_DTYPE: tl.constexpr,
+        numel16_ptr,
         BLOCK: tl.constexpr,
     ):
+        """(parameter, its element offsets in this block, gradient in float32 with zeros
+        past the parameter's end, the vector-rounded bound for loads and stores)."""
         pid = tl.program_id(0)
         i = tl.load(block_param_ptr + pid)
-        offs = tl.load(block_first_ptr + pid) + tl.arange(0, BLOCK)
-        g_ptr = tl.load(addr_ptr + i).to(tl.pointer_type(G_DTYPE))
-        g = tl.load(g_ptr + offs, mask=offs < tl.load(numel_ptr + i), other=0.0).to(tl.float32)
-        tl.store(partial_ptr + pid, tl.sum(g * g, axis=0))
+        offs = tl.multiple_of(tl.load(block_first_ptr + pid), BLOCK) + tl.arange(0, BLOCK)
+        bound = tl.multiple_of(tl.load(numel16_ptr + i), 8)
+        g_ptr = g_base + tl.multiple_of(tl.load(delta_ptr + i), 8)
+        g = tl.load(g_ptr + offs, mask=offs < bound, other=0.0).to(tl.float32)
+        g = tl.where(offs < tl.load(numel_ptr + i), g, 0.0)
+        return i, offs, g, bound
+
+    @triton.jit
+    def _sumsq_kernel(
+        g_base,
+        delta_ptr,
+        block_param_ptr,
+        block_first_ptr,
+        numel_ptr,
+        numel16_ptr,
+        partial_ptr,
+        BLOCK: tl.constexpr,
+    ):
+        _, _, g, _ = _table_block(
+            g_base, delta_ptr, block_param_ptr, block_first_ptr, numel_ptr, numel16_ptr, BLOCK
+        )
+        tl.store(partial_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
 
     @triton.jit
     def _adamw_table_kernel(
         p_ptr,
-        addr_ptr,
+        g_base,
+        delta_ptr,
         m_ptr,
         v_ptr,
         block_param_ptr,
         block_first_ptr,
         numel_ptr,
+        numel16_ptr,
         offset_ptr,
         step_ptr,
         found_inf_ptr,
@@ -389,21 +431,17 @@ if triton is not None:
         eps,
         weight_decay,
         HAS_SCALE: tl.constexpr,
-        G_DTYPE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        i = tl.load(block_param_ptr + pid)
-        offs = tl.load(block_first_ptr + pid) + tl.arange(0, BLOCK)
+        i, offs, g, bound = _table_block(
+            g_base, delta_ptr, block_param_ptr, block_first_ptr, numel_ptr, numel16_ptr, BLOCK
+        )
         # a skipped step reads and writes nothing
-        limit = tl.where(tl.load(found_inf_ptr) == 0, tl.load(numel_ptr + i), 0)
-        mask = offs < limit
+        mask = offs < tl.where(tl.load(found_inf_ptr) == 0, bound, 0)
         step = tl.load(step_ptr).to(tl.float32)
-        g_ptr = tl.load(addr_ptr + i).to(tl.pointer_type(G_DTYPE))
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_SCALE:
             g = g / tl.load(scale_ptr)
-        flat = tl.load(offset_ptr + i) + offs
+        flat = tl.multiple_of(tl.load(offset_ptr + i), 64) + offs
         p = tl.load(p_ptr + flat, mask=mask, other=0.0)
         m = tl.load(m_ptr + flat, mask=mask, other=0.0)
         v = tl.load(v_ptr + flat, mask=mask, other=0.0)

@@ -193,19 +193,25 @@ def varlen_causal(
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **extra)  # (T, heads, d)
 
 
-@functools.cache
+_OPTIONS: list[tuple[dict[str, object], bool]] = []
+
+
 def _varlen_options() -> tuple[dict[str, object], bool]:
     """How this torch's varlen_attn says "causal", and whether it has an `enable_gqa` flag
-    (read once: the signature changed between releases)."""
-    import inspect
+    (read once: the signature changed between releases). Filled by `varlen_grouped` before
+    the compiled trunk runs, which then reads a plain global (torch.compile warns about
+    tracing through a functools cache)."""
+    if not _OPTIONS:
+        import inspect
 
-    from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    causal: dict[str, object] = (
-        {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    )
-    return causal, "enable_gqa" in params
+        params = inspect.signature(varlen_attn).parameters
+        causal: dict[str, object] = (
+            {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        )
+        _OPTIONS.append((causal, "enable_gqa" in params))
+    return _OPTIONS[0]
 
 
 @functools.cache

@@ -7,6 +7,13 @@ moments are views of four flat buffers, and one Triton kernel streams them once:
 per parameter. Parameters, gradients and optimizer state keep their per-parameter shapes and
 names, so checkpoints, exports and weight sync see nothing different.
 
+When an update has a single micro-batch, its bf16 gradients are not copied into the
+float32 accumulators at all (`ComputeWeights(defer=True)` leaves them pending): `GradTable`
+points a norm kernel and the update kernel at them in place, through a static table of
+(parameter, first element) per block and each step's gradient offsets from one base
+address. On an H200, over the 0.5B model's parameter shapes: 3.6 ms for norm and update
+read in place, against 4.8 ms for the float32 copy, its norm and the flat update (same run).
+
 The update is torch's AdamW (decoupled weight decay, bias corrections from a per-parameter
 step count) with the same device-side clip factor and non-finite skip as
 `optim.guarded_step`. Where a precondition fails (a parameter without a gradient, state

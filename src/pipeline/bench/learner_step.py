@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from pipeline.bench.common import emit, figure, table
+from pipeline.bench.optimizer_paths import optimizer_paths
 from pipeline.bench.profiling import print_profile, sync_sites
 from pipeline.bench.rollout_decode import (
     SHAPES,
@@ -197,6 +198,7 @@ def run_ours(
         raise RuntimeError(f"the trainer skipped its update (non-finite loss): {metrics}")
     # the no-grad proximal forward alone: how much of a step is not forward + backward + step
     prox = [timed(lambda: trainer.compute_logprobs(experience), device)[0] for _ in range(3)]
+    optimizer = optimizer_paths(trainer.engine, device)  # last: it moves the weights
     info = {
         "params": trainer.engine.num_params,
         "trainer": {
@@ -216,6 +218,7 @@ def run_ours(
         },
         "trainer_reported_step_s": round(metrics.get("perf/step_time_s", float("nan")), 5),
         "prox_logprobs_s": round(statistics.median(prox), 5),
+        **({"optimizer_paths": optimizer} if optimizer else {}),
         **({"profile": profiled} if profiled else {}),
         **({"sync_sites": syncs} if syncs is not None else {}),
     }

@@ -154,18 +154,11 @@ class FlatAdamW:
         with the semantics of `optim.guarded_step`. Gradients left pending by a deferred
         `ComputeWeights` entry (one micro-batch) are read as they are, in low precision,
         through a table of their addresses; otherwise from the float32 accumulators."""
-        pending = self.weights.pending_grads() if _triton_runs(self.masters) else None
-        if pending is not None and self._table is None:
-            self._table = GradTable(self.layout, pending[0].dtype, self.masters.device)
-        if pending is not None and not self._table.point_at(pending):  # type: ignore[union-attr]
-            pending = None
-        if pending is None:
+        table = self._table_for(self.weights.pending_grads())
+        if table is None:
             self.weights.materialize()
             norm = torch.linalg.vector_norm(self.grads)  # gaps are zero
-            table = None
         else:
-            table = self._table
-            assert table is not None
             norm = table.norm()
         scale, found_inf = clip_scale_and_skip(norm, max_norm, bad)
         # a skipped step is not counted; the increment goes in as a list of tensors: a bare
@@ -202,6 +195,15 @@ class FlatAdamW:
         # the schedule checks that the optimizer stepped before it (torch's flag for it)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return norm, found_inf
+
+    def _table_for(self, pending: list[Tensor] | None) -> GradTable | None:
+        """The address table pointed at pending gradients, or None: nothing pending, no
+        Triton, or gradients the table cannot read (then they go to float32 first)."""
+        if pending is None or not _triton_runs(self.masters):
+            return None
+        if self._table is None:
+            self._table = GradTable(self.layout, pending[0].dtype, self.masters.device)
+        return self._table if self._table.point_at(pending) else None
 
 
 class GradTable:
@@ -337,14 +339,38 @@ def _triton_step(
 if triton is not None:
 
     @triton.jit
-    def _adamw_math(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay):
+    def _adamw_update(
+        p_ptr,
+        m_ptr,
+        v_ptr,
+        offs,
+        mask,
+        g,
+        step_ptr,
+        scale_ptr,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        HAS_SCALE: tl.constexpr,
+    ):
+        """AdamW on the float32 masters and moments at `offs` with gradient `g`."""
+        if HAS_SCALE:
+            g = g / tl.load(scale_ptr)
+        step = tl.load(step_ptr).to(tl.float32)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         p = p - lr * weight_decay * p
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * g * g
         bias1 = 1.0 - tl.exp(step * tl.log(beta1))
         bias2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
         p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
-        return p, m, v
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
 
     @triton.jit
     def _adamw_kernel(
@@ -368,17 +394,23 @@ if triton is not None:
         # a skipped step reads and writes nothing
         limit = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
         mask = offs < limit
-        step = tl.load(step_ptr).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        if HAS_SCALE:
-            g = g / tl.load(scale_ptr)
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        p, m, v = _adamw_math(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        _adamw_update(
+            p_ptr,
+            m_ptr,
+            v_ptr,
+            offs,
+            mask,
+            g,
+            step_ptr,
+            scale_ptr,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            HAS_SCALE,
+        )
 
     @triton.jit
     def _table_block(
@@ -445,14 +477,20 @@ if triton is not None:
         )
         # a skipped step reads and writes nothing
         mask = offs < tl.where(tl.load(found_inf_ptr) == 0, bound, 0)
-        step = tl.load(step_ptr).to(tl.float32)
-        if HAS_SCALE:
-            g = g / tl.load(scale_ptr)
         flat = tl.multiple_of(tl.load(offset_ptr + i), 64) + offs
-        p = tl.load(p_ptr + flat, mask=mask, other=0.0)
-        m = tl.load(m_ptr + flat, mask=mask, other=0.0)
-        v = tl.load(v_ptr + flat, mask=mask, other=0.0)
-        p, m, v = _adamw_math(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay)
-        tl.store(p_ptr + flat, p, mask=mask)
-        tl.store(m_ptr + flat, m, mask=mask)
-        tl.store(v_ptr + flat, v, mask=mask)
+        _adamw_update(
+            p_ptr,
+            m_ptr,
+            v_ptr,
+            flat,
+            mask,
+            g,
+            step_ptr,
+            scale_ptr,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            HAS_SCALE,
+        )

@@ -236,3 +236,17 @@ def test_fused_proximal_forward_gives_the_update_of_a_separate_one(tmp_path):
                     "actor/is_weight_mean", "mismatch/truncated_frac"):  # fmt: skip
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert m_fused[0]["mismatch/kl"] > 0  # behaviour log-probs differ: not a trivial pass
+
+
+def test_precomputed_rope_trains_identically(model_dir: Path):
+    """trainer.precompute_rope only moves where cos/sin are computed: same updated weights."""
+    states = []
+    for precompute in (False, True):
+        trainer = PolicyTrainer(
+            model_dir, CONFIG.replace(precompute_rope=precompute), AlgorithmConfig()
+        )
+        assert trainer.model.rope_dtype == (torch.float32 if precompute else None)
+        trainer.train_step(make_batch(seed=3))
+        states.append(state_of(trainer.model))
+    for name, value in states[0].items():
+        assert torch.equal(states[1][name], value), name

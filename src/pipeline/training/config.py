@@ -74,6 +74,9 @@ class TrainerConfig:
     # torch.compile mode of the trunk in a single process: "default", or "reduce-overhead"
     # (CUDA graphs: one recording per distinct micro-batch shape)
     compile_mode: Literal["default", "reduce-overhead"] = "default"
+    # RoPE cos/sin computed once before the trunk and passed in (a compiled trunk then
+    # loads them) instead of inside it (inductor recomputes them in every layer's kernels)
+    precompute_rope: bool = False
     # reference model: None keeps one only when the algorithm needs it (KL loss / reward)
     keep_reference: bool | None = None
     # reporting: peak FLOP/s of one device (0 disables MFU, e.g. on CPU)

@@ -250,3 +250,11 @@ def test_precomputed_rope_trains_identically(model_dir: Path):
         states.append(state_of(trainer.model))
     for name, value in states[0].items():
         assert torch.equal(states[1][name], value), name
+
+
+def test_compile_modes_and_which_replay_cuda_graphs():
+    assert not CONFIG.cuda_graphs  # not compiled
+    for mode, graphs in (("default", False), ("reduce-overhead", True), ("max-autotune", True)):
+        assert CONFIG.replace(compile=True, compile_mode=mode).cuda_graphs == graphs
+    with pytest.raises(ConfigError, match="max-autotune"):
+        CONFIG.replace(compile_mode="fastest")

@@ -71,9 +71,11 @@ class TrainerConfig:
     device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
     activation_checkpointing: bool = False
     compile: bool = False
-    # torch.compile mode of the trunk in a single process: "default", or "reduce-overhead"
-    # (CUDA graphs: one recording per distinct micro-batch shape)
-    compile_mode: Literal["default", "reduce-overhead"] = "default"
+    # torch.compile mode of the trunk in a single process: "default", "reduce-overhead"
+    # (CUDA graphs: one recording per distinct micro-batch shape), or "max-autotune" (CUDA
+    # graphs, and inductor benchmarks Triton GEMM templates against cuBLAS per shape at
+    # compile time: minutes more of compilation)
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
     # RoPE cos/sin computed once before the trunk and passed in (a compiled trunk then
     # loads them) instead of inside it (inductor recomputes them in every layer's kernels)
     precompute_rope: bool = False
@@ -139,13 +141,19 @@ class TrainerConfig:
             raise ConfigError(f"set {_SECTION}.param_dtype to auto/float32/bfloat16/float16")
         if self.reduce_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"set {_SECTION}.reduce_dtype to float32 or bfloat16")
-        if self.compile_mode not in ("default", "reduce-overhead"):
+        if self.compile_mode not in ("default", "reduce-overhead", "max-autotune"):
             raise ConfigError(
-                f"set {_SECTION}.compile_mode to default or reduce-overhead "
+                f"set {_SECTION}.compile_mode to default, reduce-overhead or max-autotune "
                 f"(got {self.compile_mode!r})"
             )
         if self.peak_flops < 0:
             raise ConfigError(f"set {_SECTION}.peak_flops >= 0 (0 disables MFU)")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the compiled trunk replays CUDA graphs (its outputs are overwritten by
+        the next replay)."""
+        return self.compile and self.compile_mode in ("reduce-overhead", "max-autotune")
 
     def replace(self, **changes: Any) -> TrainerConfig:
         """A validated copy with some fields changed."""

@@ -150,12 +150,12 @@ class TrainEngine:
         return self._compute(defer=defer and self._flat is not None)
 
     def begin_forward(self) -> None:
-        """Before each micro-batch forward: under CUDA graphs (compile_mode reduce-overhead)
+        """Before each micro-batch forward: under CUDA graphs (`TrainerConfig.cuda_graphs`)
         a new step begins, so the previous replay's outputs may be overwritten; gradients
         left pending by a deferred backward (such outputs) go to float32 first."""
         if self._compute is not None:
             self._compute.materialize()
-        if self.config.compile and self.config.compile_mode == "reduce-overhead":
+        if self.config.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
     @property

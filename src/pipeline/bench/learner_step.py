@@ -1,7 +1,7 @@
 """Learner-step bench: tokens/s and MFU of one PPO update of `PolicyTrainer`.
 
     python -m pipeline.bench.learner_step [--shape 0.5b|tiny|7b] [--device cuda|cpu]
-        [--batch 16] [--seq 512] [--prompt 128] [--steps 5] [--warmup 2] [--json OUT]
+        [--batch 16] [--seq 512] [--prompt 128] [--steps 10] [--warmup 2] [--json OUT]
 
 A random-weight model of the shape is saved once with `save_model`; `PolicyTrainer` loads it
 as the trainer always does (fp32 master weights with bf16 compute copies on CUDA, packed
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default seq/4)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator")

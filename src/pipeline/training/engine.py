@@ -153,10 +153,15 @@ class TrainEngine:
         """Before each micro-batch forward: under CUDA graphs (`TrainerConfig.cuda_graphs`)
         a new step begins, so the previous replay's outputs may be overwritten; gradients
         left pending by a deferred backward (such outputs) go to float32 first."""
-        if self._compute is not None:
-            self._compute.materialize()
+        self._materialize()
         if self.config.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
+
+    def _materialize(self) -> None:
+        """Pending bf16 gradients (a deferred backward) into the float32 accumulators,
+        before anything but the flat optimizer reads `.grad` or another forward runs."""
+        if self._compute is not None:
+            self._compute.materialize()
 
     @property
     def lr(self) -> float:
@@ -166,8 +171,7 @@ class TrainEngine:
         """Clip, then step the optimizer and schedule, unless the loss on any rank or the
         global gradient norm is non-finite: then the gradients are dropped and the step is
         counted as skipped, so one bad batch cannot poison the weights or Adam's moments."""
-        if self._compute is not None:
-            self._compute.materialize()
+        self._materialize()
         norm = clip_grad_norm(self.model.parameters(), self.config.grad_clip)
         any_bad = all_reduce_ints([int(local_nonfinite)], "max")[0] > 0
         grad_norm = float(norm)
@@ -189,8 +193,7 @@ class TrainEngine:
         if self._flat is not None and self._flat.ready():
             norm, skipped = self._flat.guarded_step(self.config.grad_clip, nonfinite_loss)
         else:
-            if self._compute is not None:
-                self._compute.materialize()
+            self._materialize()
             norm, skipped = guarded_step(
                 self.optimizer, self.model.parameters(), self.config.grad_clip, nonfinite_loss
             )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +79,30 @@ class FlatLayout:
             t is not None and t.dtype == flat.dtype and t.data_ptr() == base + o * size
             for t, o in zip(tensors, self.offsets, strict=True)
         )
+
+
+class Hyper(NamedTuple):
+    """One AdamW param group's hyperparameters as the kernels take them."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    @classmethod
+    def of(cls, group: dict[str, Any]) -> Hyper:
+        beta1, beta2 = group["betas"]
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        return cls(float(lr), float(beta1), float(beta2), float(eps), float(decay))
+
+
+def _update_args(
+    flat: FlatAdamW, found_inf: Tensor, scale: Tensor | None, hyper: Hyper
+) -> tuple[Any, ...]:
+    """The arguments every AdamW kernel ends with: step count, skip flag, clip divisor
+    (the skip flag stands in, unread, without clipping) and the hyperparameters."""
+    return (flat._steps[0], found_inf, scale if scale is not None else found_inf, *hyper)
 
 
 class FlatAdamW:
@@ -165,15 +189,12 @@ class FlatAdamW:
         # 0-dim tensor binds to the Scalar overload, whose conversion waits for the device
         inc = 1.0 - found_inf
         torch._foreach_add_(self._steps, [inc] * len(self._steps))
-        group = self.optimizer.param_groups[0]
-        beta1, beta2 = group["betas"]
-        args = (float(group["lr"]), float(beta1), float(beta2))
-        args += (float(group["eps"]), float(group["weight_decay"]))
+        hyper = Hyper.of(self.optimizer.param_groups[0])
         if table is not None:
-            table.step(self, found_inf, scale, *args)
+            table.step(self, found_inf, scale, hyper)
             self.weights.drop_pending()  # the kernel is queued: the allocator orders reuse
         elif _triton_runs(self.masters):
-            _triton_step(self, found_inf, scale, *args)
+            _triton_step(self, found_inf, scale, hyper)
         else:
             torch._fused_adamw_(
                 [self.masters],
@@ -183,11 +204,11 @@ class FlatAdamW:
                 [],
                 [self._steps[0].clone()],  # already incremented: the kernel reads it as is
                 amsgrad=False,
-                lr=args[0],
-                beta1=args[1],
-                beta2=args[2],
-                weight_decay=args[4],
-                eps=args[3],
+                lr=hyper.lr,
+                beta1=hyper.beta1,
+                beta2=hyper.beta2,
+                weight_decay=hyper.weight_decay,
+                eps=hyper.eps,
                 maximize=False,
                 grad_scale=scale,
                 found_inf=found_inf,
@@ -263,17 +284,7 @@ class GradTable:
         )
         return self.partial.sum().sqrt()
 
-    def step(
-        self,
-        flat: FlatAdamW,
-        found_inf: Tensor,
-        scale: Tensor | None,
-        lr: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        weight_decay: float,
-    ) -> None:
+    def step(self, flat: FlatAdamW, found_inf: Tensor, scale: Tensor | None, hyper: Hyper) -> None:
         _adamw_table_kernel[(self.blocks,)](
             flat.masters,
             self.base,
@@ -285,14 +296,7 @@ class GradTable:
             self.numel,
             self.numel16,
             self.offset,
-            flat._steps[0],
-            found_inf,
-            scale if scale is not None else found_inf,  # unread without HAS_SCALE
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
+            *_update_args(flat, found_inf, scale, hyper),
             HAS_SCALE=scale is not None,
             BLOCK=BLOCK,
             num_warps=8,
@@ -305,31 +309,15 @@ def _triton_runs(t: Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _triton_step(
-    flat: FlatAdamW,
-    found_inf: Tensor,
-    scale: Tensor | None,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
+def _triton_step(flat: FlatAdamW, found_inf: Tensor, scale: Tensor | None, hyper: Hyper) -> None:
     n = flat.layout.total
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         flat.masters,
         flat.grads,
         flat.exp_avg,
         flat.exp_avg_sq,
-        flat._steps[0],
-        found_inf,
-        scale if scale is not None else found_inf,  # unread without HAS_SCALE
         n,
-        lr,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
+        *_update_args(flat, found_inf, scale, hyper),
         HAS_SCALE=scale is not None,
         BLOCK=BLOCK,
         num_warps=8,
@@ -378,10 +366,10 @@ if triton is not None:
         g_ptr,
         m_ptr,
         v_ptr,
+        n,
         step_ptr,
         found_inf_ptr,
         scale_ptr,
-        n,
         lr,
         beta1,
         beta2,

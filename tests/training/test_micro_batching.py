@@ -79,6 +79,25 @@ def test_micro_batch_logprobs_equal_per_sequence_dense_logprobs(padding_free: bo
         assert mask[row, :n].all() and not mask[row, n:].any()
 
 
+@pytest.mark.parametrize("padding_free", [True, False], ids=["packed", "padded"])
+def test_fields_to_equals_field_by_field_restriction(padding_free: bool):
+    batch = make_batch(seed=4, n=6)
+    pack = pack_padding_free if padding_free else pack_padded
+    mb = pack(batch, [4, 1, 3])  # not in batch order
+    named = {
+        "mask": batch.response_mask,
+        "behaviour": batch.behaviour_logprobs,
+        "absent": None,
+        "adv": torch.randn(batch.response_mask.shape, dtype=torch.float64),
+    }
+    got = mb.fields_to(torch.device("cpu"), named)
+    assert sorted(got) == ["adv", "behaviour", "mask"]
+    for key in got:
+        want = mb.fields(named[key])  # type: ignore[arg-type]
+        assert got[key].dtype == want.dtype and got[key].shape == want.shape == (3, mb.width)
+        assert torch.equal(got[key], want)
+
+
 def _first_update_grads(
     model_dir: Path, config: TrainerConfig, algorithm: AlgorithmConfig
 ) -> dict[str, torch.Tensor]:

@@ -189,15 +189,16 @@ class CriticTrainer:
         def micro_loss(
             dev: MicroBatch, host: MicroBatch
         ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+            named = {"mask": batch.response_mask, "returns": batch.returns, "old": batch.values}
+            # (m, r) each, queued before the forward (see MicroBatch.fields_to)
+            f = {} if host.is_empty else host.fields_to(self.info.device, named)
             values, anchor = micro_values(self.model, dev)
             if host.is_empty:
                 return None, anchor, {}
-            take = lambda t: host.fields(t).to(self.info.device)  # noqa: E731
-            mask = take(batch.response_mask)
-            returns = take(batch.returns)
+            mask, returns = f["mask"], f["returns"]
             loss, vm = clipped_value_loss(
                 values,
-                take(batch.values),
+                f["old"],
                 returns,
                 mask,
                 clip_range=alg.value_clip,

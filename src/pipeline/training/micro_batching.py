@@ -72,6 +72,21 @@ class MicroBatch:
         """A batch's (n, R) field restricted to this micro-batch: (m, r)."""
         return t[self.sample_indices.to(t.device), : self.width]
 
+    def fields_to(self, device: torch.device, named: dict[str, Tensor | None]) -> dict[str, Tensor]:
+        """Several (n, R) host fields restricted to this micro-batch, (m, r) each, on `device`
+        (absent ones left out): one host-to-device copy per dtype, none blocking. Called before
+        the forward is queued, so no host tensor op runs while the device computes it: on a
+        busy GPU host single small indexing ops there took milliseconds each, with the
+        device waiting at the end of the forward for the loss to be queued."""
+        present = {k: t for k, t in named.items() if t is not None}
+        out: dict[str, Tensor] = {}
+        for dtype in dict.fromkeys(t.dtype for t in present.values()):
+            keys = [k for k, t in present.items() if t.dtype == dtype]
+            stacked = torch.stack([present[k] for k in keys])[:, self.sample_indices, : self.width]
+            on_device = stacked.to(device, non_blocking=True)  # (k, m, r)
+            out.update(zip(keys, on_device.unbind(0), strict=True))
+        return out
+
     def gather(self, per_position: Tensor) -> Tensor:
         """Per-position model output shaped like input_ids -> (m, r) response layout."""
         flat = per_position.reshape(-1)

@@ -223,6 +223,14 @@ class PolicyTrainer:
         sums: MetricSums,
     ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
         cfg, alg = self.config, self.algorithm
+        fused = inputs["prox"] is None
+        named = {"mask": batch.response_mask, "adv": inputs["adv"], "ref": inputs["ref"]}
+        if fused:
+            named["behaviour"] = batch.behaviour_logprobs
+        else:
+            named["prox"], named["is_w"] = inputs["prox"], inputs["is_w"]
+        # (m, r) each, queued before the forward (see MicroBatch.fields_to)
+        f = {} if host.is_empty else host.fields_to(self.info.device, named)
         logp, entropy, anchor = micro_logprobs(
             self.model,
             dev,
@@ -234,29 +242,22 @@ class PolicyTrainer:
         if host.is_empty:
             return None, anchor, {}
         assert entropy is not None
-
-        def take(t: Tensor | None) -> Tensor:
-            assert t is not None
-            return host.fields(t).to(self.info.device, non_blocking=True)
-
-        mask = take(batch.response_mask)  # (m, r)
-        if inputs["prox"] is None:
+        mask, ref = f["mask"], f.get("ref")
+        if fused:
             # one optimizer step per update: the weights of this forward are the proximal
             # policy, so its detached log-probs are the proximal log-probs (the ratio is 1
             # with the right gradient), and the mismatch metrics come from them too
             prox = logp.detach().float()  # (m, r)
-            behaviour = take(batch.behaviour_logprobs)
             is_w = truncated_is_weights(
-                prox, behaviour, mask, cap=alg.is_cap, level=alg.is_level
+                prox, f["behaviour"], mask, cap=alg.is_cap, level=alg.is_level
             )  # (m, r)
-            ref = take(inputs["ref"]) if inputs["ref"] is not None else None
-            self._token_metrics(sums, mask, behaviour, prox, ref, is_w)
+            self._token_metrics(sums, mask, f["behaviour"], prox, ref, is_w)
         else:
-            prox, is_w = take(inputs["prox"]), take(inputs["is_w"])
+            prox, is_w = f["prox"], f["is_w"]
         pg_loss, pg_metrics = ppo_policy_loss(
             logp,
             prox,
-            take(inputs["adv"]),
+            f["adv"],
             mask,
             clip_ratio_low=alg.clip_ratio_low,
             clip_ratio_high=alg.clip_ratio_high,
@@ -276,9 +277,10 @@ class PolicyTrainer:
             "actor/approx_kl": pg_metrics.approx_kl,
         }
         if alg.use_kl_loss:
+            assert ref is not None
             kl = kl_loss(
                 logp,
-                take(inputs["ref"]),
+                ref,
                 mask,
                 estimator=alg.kl_estimator,
                 loss_agg_mode=alg.loss_agg_mode,

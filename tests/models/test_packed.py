@@ -68,26 +68,3 @@ def test_value_model_packed_values_equal_dense_values(family_config: ModelConfig
         for i, seq in enumerate(seqs):
             dense = model(seq[None])[0]
             torch.testing.assert_close(packed[0, cu[i] : cu[i + 1]], dense, atol=ATOL, rtol=RTOL)
-
-
-def test_rope_computed_before_the_trunk_changes_nothing(family_config: ModelConfig, make_native):
-    """`rope_dtype` (trainer.precompute_rope): cos/sin computed before the trunk and passed
-    in give the same logits and gradients, dense and packed."""
-    lengths = [4, 6, 3]
-    _, ids, positions, cu = _pack(lengths, family_config.vocab_size, tail_pad=2, seed=3)
-    runs = []
-    for rope_dtype in (None, torch.float32):
-        model = make_native(family_config)
-        model.rope_dtype = rope_dtype
-        given: list[bool] = []  # whether the trunk was handed cos/sin
-        model.model.register_forward_pre_hook(
-            lambda _, args, seen=given: seen.append(args[3] is not None)
-        )
-        dense = model(ids)
-        packed = model.forward_packed(ids, positions, cu)
-        (dense.square().mean() + packed.square().mean()).backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        assert given == [rope_dtype is not None] * 2
-        runs.append([dense.detach(), packed.detach(), *grads])
-    for a, b in zip(*runs, strict=True):
-        assert torch.equal(a, b)

@@ -238,18 +238,18 @@ def test_fused_proximal_forward_gives_the_update_of_a_separate_one(tmp_path):
     assert m_fused[0]["mismatch/kl"] > 0  # behaviour log-probs differ: not a trivial pass
 
 
-def test_precomputed_rope_trains_identically(model_dir: Path):
-    """trainer.precompute_rope only moves where cos/sin are computed: same updated weights."""
+def test_fused_rope_trains_identically(model_dir: Path):
+    """trainer.fused_rope swaps in the rope_qkv op (its torch formula on CPU): the same
+    updated weights, and every attention layer runs it."""
     states = []
-    for precompute in (False, True):
-        trainer = PolicyTrainer(
-            model_dir, CONFIG.replace(precompute_rope=precompute), AlgorithmConfig()
-        )
-        assert trainer.model.rope_dtype == (torch.float32 if precompute else None)
+    for fused in (False, True):
+        trainer = PolicyTrainer(model_dir, CONFIG.replace(fused_rope=fused), AlgorithmConfig())
+        layers = trainer.model.model.layers
+        assert [layer.self_attn.fused_rope for layer in layers] == [fused] * len(layers)
         trainer.train_step(make_batch(seed=3))
         states.append(state_of(trainer.model))
     for name, value in states[0].items():
-        assert torch.equal(states[1][name], value), name
+        torch.testing.assert_close(states[1][name], value, atol=1e-6, rtol=1e-6, msg=name)
 
 
 def test_compile_modes_and_which_replay_cuda_graphs():

@@ -213,7 +213,7 @@ def run_ours(
             "compile_mode": config.compile_mode,
             "pack_bucket_tokens": config.pack_bucket_tokens,
             "flat_optimizer": config.flat_optimizer,
-            "precompute_rope": config.precompute_rope,
+            "fused_rope": config.fused_rope,
             "keep_reference": kl,
             "use_kl_loss": kl,
         },

@@ -19,6 +19,7 @@ from pipeline.models.config import ModelConfig
 from pipeline.models.decode_attention import decode_attention
 from pipeline.models.kv_cache import KVCache
 from pipeline.models.layers import RMSNorm, apply_rope
+from pipeline.models.rope_kernel import rope_qkv
 
 
 @dataclass
@@ -72,6 +73,8 @@ class Attention(nn.Module):
         # set by `fuse_projections`: q/k/v weights (and biases) as views of one tensor
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
+        # set by the trainer (`trainer.fused_rope`): RoPE by the one-pass op of rope_kernel.py
+        self.fused_rope = False
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec
@@ -81,7 +84,18 @@ class Attention(nn.Module):
         weight, bias = self.qkv_weight, self.qkv_bias
         if weight is None:  # concatenated per call (a few MB): still one GEMM, and one per
             weight, bias = self._concat_qkv()  # gradient, instead of three narrow ones
-        q, k, v = F.linear(x, weight, bias).split([nq, nk, nk], dim=-1)
+        qkv = F.linear(x, weight, bias)  # (batch, seq, nq + 2 nk)
+        if self.fused_rope and self.q_norm is None:
+            q, k, v = rope_qkv(
+                qkv.reshape(b * s, -1),
+                cos.reshape(b * s, -1),
+                sin.reshape(b * s, -1),
+                self.num_heads,
+                self.num_kv_heads,
+            )  # (b * s, heads, head_dim) each
+            q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+            return self.o_proj(self.attend_fn(self, q, k, v, spec))  # (batch, seq, hidden)
+        q, k, v = qkv.split([nq, nk, nk], dim=-1)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
         k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)

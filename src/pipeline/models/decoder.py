@@ -70,17 +70,10 @@ class DecoderTrunk(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        spec: AttentionSpec,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec
     ) -> torch.Tensor:
-        """`rope`: cos, sin of `positions` computed by the caller (DecoderBase.rope_dtype)."""
         x = self.embed_tokens(input_ids)  # (batch, seq, hidden)
-        if rope is None:
-            rope = self.rotary_emb(positions, x.dtype)
-        cos, sin = rope  # (batch, seq, head_dim)
+        cos, sin = self.rotary_emb(positions, x.dtype)  # (batch, seq, head_dim)
         for layer in self.layers:
             x = layer(x, cos, sin, spec)
         return self.norm(x)  # (batch, seq, hidden)
@@ -93,20 +86,8 @@ class DecoderBase(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderTrunk(config)
-        # set (to the compute dtype) by `trainer.precompute_rope`: RoPE cos/sin computed
-        # before the trunk and passed in, so that a compiled trunk loads them instead of
-        # recomputing them inside every layer's fused kernels
-        self.rope_dtype: torch.dtype | None = None
 
     # -- trunk entry points (private: public methods must not nest under FSDP hooks) --
-
-    def _trunk(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec
-    ) -> torch.Tensor:
-        rope = None
-        if self.rope_dtype is not None:
-            rope = self.model.rotary_emb(positions, self.rope_dtype)
-        return self.model(input_ids, positions, spec, rope)
 
     def _dense(
         self,
@@ -123,7 +104,7 @@ class DecoderBase(nn.Module):
             spec = AttentionSpec(mask=padded_causal_mask(attention_mask))
             if position_ids is None:
                 position_ids = positions_from_mask(attention_mask)
-        return self._trunk(input_ids, position_ids, spec)
+        return self.model(input_ids, position_ids, spec)
 
     def _packed(
         self,
@@ -145,8 +126,8 @@ class DecoderBase(nn.Module):
                 max_seqlen = int((cu[1:] - cu[:-1]).max())
             grouped = varlen_grouped(input_ids.device)
             spec = AttentionSpec(cu_seqlens=cu, max_seqlen=max_seqlen, grouped=grouped)
-            return self._trunk(input_ids, position_ids, spec)
-        return self._trunk(
+            return self.model(input_ids, position_ids, spec)
+        return self.model(
             input_ids, position_ids, AttentionSpec(mask=packed_causal_mask(cu, total))
         )
 
@@ -169,7 +150,7 @@ class DecoderBase(nn.Module):
             kv_len=kv_len,
             decode_lengths=positions[:, 0] + 1 if decode else None,  # padding (-1) reads none
         )
-        return self._trunk(input_ids, positions, spec)
+        return self.model(input_ids, positions, spec)
 
     def init_weights(self, std: float = 0.02) -> None:
         """HF-style init (normal(0, std), zero bias, unit norms); used for fresh models."""

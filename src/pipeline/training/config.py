@@ -76,9 +76,10 @@ class TrainerConfig:
     # graphs, and inductor benchmarks Triton GEMM templates against cuBLAS per shape at
     # compile time: minutes more of compilation)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
-    # RoPE cos/sin computed once before the trunk and passed in (a compiled trunk then
-    # loads them) instead of inside it (inductor recomputes them in every layer's kernels)
-    precompute_rope: bool = False
+    # RoPE by one Triton pass over the q/k/v projection output each way (models/
+    # rope_kernel.py) instead of the compiled torch formula; CUDA half precision only (the
+    # formula runs elsewhere), models without q/k norms
+    fused_rope: bool = False
     # reference model: None keeps one only when the algorithm needs it (KL loss / reward)
     keep_reference: bool | None = None
     # reporting: peak FLOP/s of one device (0 disables MFU, e.g. on CPU)

@@ -128,9 +128,10 @@ def attend(
     b, s = q.shape[:2]
     if spec.cu_seqlens is not None:
         if q.dtype in (torch.bfloat16, torch.float16):
-            out = varlen_causal(
-                q[0], k[0], v[0], spec.cu_seqlens, spec.max_seqlen, grouped=spec.grouped
-            )
+            # (1, seq, ...) -> (seq, ...) as views: a select (q[0]) has a backward that
+            # copies the gradient into a fresh buffer
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            out = varlen_causal(q, k, v, spec.cu_seqlens, spec.max_seqlen, grouped=spec.grouped)
             return out.reshape(b, s, attn.num_heads * attn.head_dim)
         if spec.mask is None:  # fp32 on CUDA: flash has no fp32 kernel; mask once per pass
             from pipeline.models.masks import packed_causal_mask

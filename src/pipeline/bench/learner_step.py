@@ -96,6 +96,7 @@ PROFILE_KNOBS = (
     "logprob_keep_logits",
     "compile_mode",
     "pack_bucket_tokens",
+    "fused_rope",
 )
 
 

@@ -17,7 +17,7 @@ from pipeline.training import (
     plan_micro_batches,
     plan_step,
 )
-from pipeline.training.micro_batching import micro_batch_weight
+from pipeline.training.micro_batching import micro_batch_weight, packed_copies
 
 from ._helpers import make_batch, make_model
 
@@ -96,6 +96,29 @@ def test_fields_to_equals_field_by_field_restriction(padding_free: bool):
         want = mb.fields(named[key])  # type: ignore[arg-type]
         assert got[key].dtype == want.dtype and got[key].shape == want.shape == (3, mb.width)
         assert torch.equal(got[key], want)
+
+
+def test_packed_copies_are_aligned_views_of_one_buffer_per_dtype():
+    g = torch.Generator().manual_seed(0)
+    named = {
+        "ids": torch.randint(0, 9, (1, 7), generator=g),
+        "mask": torch.rand(3, 5, generator=g) > 0.5,
+        "cu": torch.tensor([0, 3, 7]),
+        "logp": torch.randn(3, 5, generator=g),
+        "empty": torch.zeros(0, dtype=torch.long),
+    }
+    buffers: list[torch.Tensor] = []
+    got = packed_copies(named, lambda b: buffers.append(b.clone()) or buffers[-1])
+    assert len(buffers) == 3  # int64, bool, float32
+    for key, t in named.items():
+        assert got[key].dtype == t.dtype and torch.equal(got[key], t), key
+        assert got[key].data_ptr() % 16 == 0, key
+        assert any(got[key].untyped_storage().data_ptr() == b.data_ptr() for b in buffers)
+    # a micro-batch moved to its own device keeps every tensor as it is
+    mb = pack_padding_free(make_batch(seed=2, n=3), [0, 2], bucket=8)
+    moved = mb.to(torch.device("cpu"))
+    assert moved.input_ids is mb.input_ids and moved.cu_seqlens is mb.cu_seqlens
+    assert moved.sample_indices is mb.sample_indices
 
 
 def _first_update_grads(

@@ -73,6 +73,7 @@ class ComputeWeights:
             self._master_ptrs = []
         self.active = False
         self._prepared = False  # the copies were refreshed by `prepare` for the next entry
+        self._prepared_masters: list[Tensor] | None = None  # and the masters it read
         self._defer = False  # this entry may leave its only backward's gradients pending
         self._pending: list[Tensor] | None = None
 
@@ -181,12 +182,14 @@ class ComputeWeights:
         device copies while the host still plans the step. The next entry (or `discard`)
         consumes it, so the masters must not change in between."""
         if not self.active:
-            self._refresh(self._masters())
+            self._prepared_masters = self._masters()
+            self._refresh(self._prepared_masters)
             self._prepared = True
 
     def discard(self) -> None:
         """Forget an unconsumed `prepare` (the next entry copies again)."""
         self._prepared = False
+        self._prepared_masters = None
 
     @contextlib.contextmanager
     def prepared(self) -> Iterator[None]:
@@ -208,10 +211,11 @@ class ComputeWeights:
             yield
             return
         self.materialize()  # an unconsumed earlier deferral keeps adding up as before
-        masters = self._masters()
-        if not self._prepared:
+        masters = self._prepared_masters if self._prepared else None
+        if masters is None:  # (a prepared entry reuses its reading of the masters)
+            masters = self._masters()
             self._refresh(masters)
-        self._prepared = False
+        self.discard()
         for i, (p, low) in enumerate(zip(self.params, self._low, strict=True)):
             self._grads[i], p.grad = p.grad, None  # float32 gradients so far keep adding up
             p.data = low

@@ -31,7 +31,7 @@ try:
 except ImportError:  # CPU installs: the torch formula serves
     triton = None  # type: ignore[assignment]
 
-BLOCK_T = 16  # tokens per program (16 x 8 warps: fastest of 8-128 x 1-8 on an H200)
+BLOCK_T = 16  # tokens per program (16 x 8 warps: among the fastest of 8-128 x 1-8 on an H200)
 
 
 def kernel_supported(x: Tensor, head_dim: int) -> bool:

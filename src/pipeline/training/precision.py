@@ -72,8 +72,8 @@ class ComputeWeights:
             self._master_views = None
             self._master_ptrs = []
         self.active = False
-        self._prepared = False  # the copies were refreshed by `prepare` for the next entry
-        self._prepared_masters: list[Tensor] | None = None  # and the masters it read
+        # set by `prepare`: the copies were refreshed from these masters for the next entry
+        self._prepared: list[Tensor] | None = None
         self._defer = False  # this entry may leave its only backward's gradients pending
         self._pending: list[Tensor] | None = None
 
@@ -182,14 +182,12 @@ class ComputeWeights:
         device copies while the host still plans the step. The next entry (or `discard`)
         consumes it, so the masters must not change in between."""
         if not self.active:
-            self._prepared_masters = self._masters()
-            self._refresh(self._prepared_masters)
-            self._prepared = True
+            self._prepared = self._masters()
+            self._refresh(self._prepared)
 
     def discard(self) -> None:
         """Forget an unconsumed `prepare` (the next entry copies again)."""
-        self._prepared = False
-        self._prepared_masters = None
+        self._prepared = None
 
     @contextlib.contextmanager
     def prepared(self) -> Iterator[None]:
@@ -211,8 +209,8 @@ class ComputeWeights:
             yield
             return
         self.materialize()  # an unconsumed earlier deferral keeps adding up as before
-        masters = self._prepared_masters if self._prepared else None
-        if masters is None:  # (a prepared entry reuses its reading of the masters)
+        masters = self._prepared  # a prepared entry reuses its reading of the masters
+        if masters is None:
             masters = self._masters()
             self._refresh(masters)
         self.discard()

@@ -86,25 +86,28 @@ class Attention(nn.Module):
             weight, bias = self._concat_qkv()  # gradient, instead of three narrow ones
         qkv = F.linear(x, weight, bias)  # (batch, seq, nq + 2 nk)
         if self.fused_rope and self.q_norm is None:
-            q, k, v = rope_qkv(
-                qkv.reshape(b * s, -1),
-                cos.reshape(b * s, -1),
-                sin.reshape(b * s, -1),
-                self.num_heads,
-                self.num_kv_heads,
-            )  # (b * s, heads, head_dim) each
-            q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
-            return self.o_proj(self.attend_fn(self, q, k, v, spec))  # (batch, seq, hidden)
-        q, k, v = qkv.split([nq, nk, nk], dim=-1)
-        q = q.reshape(b, s, self.num_heads, self.head_dim)
-        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)  # (batch, seq, heads, head_dim)
-        k = apply_rope(k, cos, sin)  # (batch, seq, kv_heads, head_dim)
+            q, k, v = self._fused_rope(qkv, cos, sin)
+        else:
+            q, k, v = qkv.split([nq, nk, nk], dim=-1)
+            q = q.reshape(b, s, self.num_heads, self.head_dim)
+            k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+            v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q = apply_rope(q, cos, sin)  # (batch, seq, heads, head_dim)
+            k = apply_rope(k, cos, sin)  # (batch, seq, kv_heads, head_dim)
         return self.o_proj(self.attend_fn(self, q, k, v, spec))  # (batch, seq, hidden)
+
+    def _fused_rope(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k rotated and v by the one-pass op: (batch, seq, heads, head_dim) each."""
+        b, s, _ = qkv.shape
+        flat = (t.reshape(b * s, -1) for t in (qkv, cos, sin))
+        out = rope_qkv(*flat, self.num_heads, self.num_kv_heads)  # (b * s, heads, head_dim)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in out)
+        return q, k, v
 
     def _concat_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         projs = (self.q_proj, self.k_proj, self.v_proj)

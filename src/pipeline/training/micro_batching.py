@@ -125,7 +125,7 @@ def packed_copies(named: dict[str, Tensor], copy: Callable[[Tensor], Tensor]) ->
     out: dict[str, Tensor] = {}
     for dtype in dict.fromkeys(t.dtype for t in named.values()):
         keys = [k for k, t in named.items() if t.dtype == dtype]
-        align = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+        align = max(1, 16 // dtype.itemsize)
         parts, spans = [], []
         for k in keys:
             flat = named[k].reshape(-1)

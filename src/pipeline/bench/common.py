@@ -33,23 +33,30 @@ KEYS = (
 )
 
 
-def git_sha() -> str:
+def git_sha(cwd: Path | None = None) -> str:
     """$PIPELINE_GIT_SHA (for a copied tree whose .git is not current, e.g. a GPU host that
-    receives the working tree), else `git rev-parse HEAD` of this checkout, or "unknown"."""
+    receives the working tree), else `git rev-parse HEAD` of this checkout with "+dirty"
+    when tracked files differ from it (a figure then does not belong to that commit: a GPU
+    host's stale .git once put the previous session's commit on a result), or "unknown"."""
     if os.environ.get("PIPELINE_GIT_SHA"):
         return os.environ["PIPELINE_GIT_SHA"]
+    where = cwd or Path(__file__).resolve().parent
+    head = _git(["rev-parse", "HEAD"], where)
+    if not head:
+        return "unknown"
+    changed = _git(["status", "--porcelain", "--untracked-files=no"], where)
+    return head + "+dirty" if changed else head
+
+
+def _git(args: list[str], cwd: Path) -> str:
+    """stdout of a git command, stripped ("" when git fails or is missing)."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False
         )
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def covered(intervals: Iterable[tuple[float, float]]) -> float:

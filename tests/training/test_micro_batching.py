@@ -17,7 +17,7 @@ from pipeline.training import (
     plan_micro_batches,
     plan_step,
 )
-from pipeline.training.micro_batching import micro_batch_weight, packed_copies
+from pipeline.training.micro_batching import _DEVICE_FIELDS, micro_batch_weight, packed_copies
 
 from ._helpers import make_batch, make_model
 
@@ -114,6 +114,20 @@ def test_packed_copies_are_aligned_views_of_one_buffer_per_dtype():
         assert got[key].dtype == t.dtype and torch.equal(got[key], t), key
         assert got[key].data_ptr() % 16 == 0, key
         assert any(got[key].untyped_storage().data_ptr() == b.data_ptr() for b in buffers)
+    # the trunk's inputs sit where the shapes alone put them: two micro-batches of the same
+    # bucketed shapes with other response lengths give them the same offsets
+    copied = [
+        packed_copies(
+            {k: getattr(pack_padding_free(make_batch(seed=s, n=3), [0, 1, 2], bucket=64), k)
+             for k in _DEVICE_FIELDS if k != "attention_mask"},
+            torch.Tensor.clone,
+        )
+        for s in (5, 6)
+    ]  # fmt: skip
+    assert copied[0]["score_index"].shape != copied[1]["score_index"].shape
+    for key in ("input_ids", "position_ids", "cu_seqlens"):
+        assert copied[0][key].shape == copied[1][key].shape
+        assert copied[0][key].storage_offset() == copied[1][key].storage_offset(), key
     # a micro-batch moved to its own device keeps every tensor as it is
     mb = pack_padding_free(make_batch(seed=2, n=3), [0, 2], bucket=8)
     moved = mb.to(torch.device("cpu"))

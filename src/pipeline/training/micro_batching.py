@@ -99,15 +99,18 @@ class MicroBatch:
         return dataclasses.replace(self, **moved)
 
 
+# the compiled trunk's inputs first: their offsets in the shared buffer then depend on the
+# bucketed shapes alone, not on the response lengths behind the output layout's sizes, so a
+# compiled trunk sees the same input layout whenever it sees the same shapes
 _DEVICE_FIELDS = (
     "input_ids",
-    "target_ids",
     "position_ids",
+    "cu_seqlens",
+    "attention_mask",
+    "target_ids",
     "gather_index",
     "score_index",
     "score_gather",
-    "cu_seqlens",
-    "attention_mask",
 )
 
 

@@ -51,7 +51,8 @@ def load_kernels(path: Path) -> list[dict[str, Any]]:
 
 def summarize(kernels: list[dict[str, Any]], gap_us: float = 20.0) -> dict[str, Any]:
     if not kernels:
-        return {"kernels": 0, "span_ms": 0.0, "kernel_ms": 0.0, "gaps": [], "families": {}}
+        return {"kernels": 0, "span_ms": 0.0, "kernel_ms": 0.0, "gap_ms": 0.0, "gaps": [],
+                "families": {}, "top": []}  # fmt: skip
     start = kernels[0]["ts"]
     end = kernels[0]["ts"] + kernels[0]["dur"]
     last = kernels[0]["name"]
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{s['kernels']} kernels, span {s['span_ms']:.2f} ms, kernel time {s['kernel_ms']:.2f} ms"
     )
-    print(f"idle gaps > {args.gap_us:g} us: {s.get('gap_ms', 0.0):.2f} ms")
+    print(f"idle gaps > {args.gap_us:g} us: {s['gap_ms']:.2f} ms")
     for g in s["gaps"][: args.top]:
         print(f"  {g['us'] / 1e3:7.3f} ms at {g['at_ms']:8.2f} ms after {g['after'][:80]}")
     print("by family:")

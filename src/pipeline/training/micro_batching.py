@@ -79,8 +79,7 @@ class MicroBatch:
         the forward is queued, so no host tensor op runs while the device computes it: on a
         busy GPU host single small indexing ops there took milliseconds each, with the
         device waiting at the end of the forward for the loss to be queued."""
-        rows = self.sample_indices
-        host = {k: t[rows, : self.width] for k, t in named.items() if t is not None}
+        host = {k: self.fields(t) for k, t in named.items() if t is not None}
         return to_device_grouped(host, device)
 
     def gather(self, per_position: Tensor) -> Tensor:

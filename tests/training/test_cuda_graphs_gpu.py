@@ -1,5 +1,6 @@
-"""On CUDA: the trunk under CUDA graphs (trainer.compile_mode = reduce-overhead) with bucketed
-packing trains like the plain compiled trunk, across batches of different shapes."""
+"""On CUDA: the trunk under CUDA graphs (trainer.compile_mode = reduce-overhead, or our own
+graphs with trainer.trunk_graphs) with bucketed packing trains like the plain compiled trunk,
+across batches of different shapes."""
 
 from __future__ import annotations
 
@@ -44,7 +45,11 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
     ]
     runs: dict[str, dict[str, torch.Tensor]] = {}
     results: dict[str, list[dict[str, float]]] = {}
-    for mode, bucket in (("default", 0), ("reduce-overhead", 64)):
+    for run, mode, bucket in (
+        ("default", "default", 0),
+        ("reduce-overhead", "reduce-overhead", 64),
+        ("trunk_graphs", "default", 64),
+    ):
         model = CausalLM(config)
         model.load_state_dict(base.state_dict())
         cfg = TrainerConfig(
@@ -55,26 +60,34 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
             compile=True,
             compile_mode=mode,
             pack_bucket_tokens=bucket,
+            trunk_graphs=run == "trunk_graphs",
         )
         trainer = PolicyTrainer(model, cfg, AlgorithmConfig(advantage_estimator="grpo"))
         counters.clear()
         metrics = [trainer.train_step(b) for b in batches]
         if mode == "reduce-overhead":
             assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
-        runs[mode] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-        results[mode] = metrics
-    plain_m, graphed_m = results["default"], results["reduce-overhead"]
+        if run == "trunk_graphs":  # several bucketed shapes, every micro-batch replayed
+            graphs = trainer.model.packed_runner
+            assert graphs is not None and len(graphs.shapes) >= 2, graphs.shapes
+            assert graphs.replays >= 6 and graphs.fallbacks == 0
+        runs[run] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        results[run] = metrics
+    plain_m = results["default"]
     plain = runs["default"]
-    for a, b in zip(plain_m, graphed_m, strict=True):
-        assert b["actor/skipped_updates"] == 0
-        assert abs(a["actor/pg_loss"] - b["actor/pg_loss"]) < 1e-3 + 1e-2 * abs(a["actor/pg_loss"])
-        assert abs(a["actor/grad_norm"] - b["actor/grad_norm"]) < 0.02 * a["actor/grad_norm"]
+    for graphed_m in (results["reduce-overhead"], results["trunk_graphs"]):
+        for a, b in zip(plain_m, graphed_m, strict=True):
+            assert b["actor/skipped_updates"] == 0
+            pg = a["actor/pg_loss"]
+            assert abs(pg - b["actor/pg_loss"]) < 1e-3 + 1e-2 * abs(pg)
+            assert abs(a["actor/grad_norm"] - b["actor/grad_norm"]) < 0.02 * a["actor/grad_norm"]
     # Adam moves each weight by about lr per step in its gradient's sign; other GEMM shapes
     # (padding) round bf16 differently, which flips only near-zero gradients
     start = {k: v.cuda() for k, v in base.state_dict().items()}
     moved = {
         run: torch.cat([(p[k] - start[k]).flatten() for k in plain]) for run, p in runs.items()
     }
-    agree = (torch.sign(moved["default"]) == torch.sign(moved["reduce-overhead"])).float().mean()
-    assert agree > 0.95, float(agree)
+    for graphed in ("reduce-overhead", "trunk_graphs"):
+        agree = (torch.sign(moved["default"]) == torch.sign(moved[graphed])).float().mean()
+        assert agree > 0.95, (graphed, float(agree))
     assert moved["default"].abs().mean() > 1e-4  # the runs did train (lr 1e-3, 3 steps)

@@ -97,6 +97,7 @@ PROFILE_KNOBS = (
     "compile_mode",
     "pack_bucket_tokens",
     "fused_rope",
+    "trunk_graphs",
 )
 
 
@@ -215,6 +216,7 @@ def run_ours(
             "pack_bucket_tokens": config.pack_bucket_tokens,
             "flat_optimizer": config.flat_optimizer,
             "fused_rope": config.fused_rope,
+            "trunk_graphs": config.trunk_graphs,
             "keep_reference": kl,
             "use_kl_loss": kl,
         },

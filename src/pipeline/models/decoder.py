@@ -14,6 +14,8 @@ Entry points (each is a separate public method so FSDP can hook each one once):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -86,6 +88,9 @@ class DecoderBase(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderTrunk(config)
+        # optional: runs the packed trunk instead, or returns None (training/trunk_graphs.py
+        # replays CUDA graphs of it); a plain attribute, not a submodule
+        self.packed_runner: Callable[..., torch.Tensor | None] | None = None
 
     # -- trunk entry points (private: public methods must not nest under FSDP hooks) --
 
@@ -126,6 +131,10 @@ class DecoderBase(nn.Module):
                 max_seqlen = int((cu[1:] - cu[:-1]).max())
             grouped = varlen_grouped(input_ids.device)
             spec = AttentionSpec(cu_seqlens=cu, max_seqlen=max_seqlen, grouped=grouped)
+            if self.packed_runner is not None:
+                hidden = self.packed_runner(input_ids, position_ids, spec)
+                if hidden is not None:
+                    return hidden
             return self.model(input_ids, position_ids, spec)
         return self.model(
             input_ids, position_ids, AttentionSpec(mask=packed_causal_mask(cu, total))

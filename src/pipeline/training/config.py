@@ -76,6 +76,11 @@ class TrainerConfig:
     # graphs, and inductor benchmarks Triton GEMM templates against cuBLAS per shape at
     # compile time: minutes more of compilation)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    # a single CUDA process: the packed training forward and backward of the trunk replayed
+    # from CUDA graphs captured per bucketed shape (training/trunk_graphs.py): none of the
+    # compiled trunk's per-call host work over its parameter inputs. Needs padding_free,
+    # pack_bucket_tokens > 0 and compile_mode "default" (inductor's own graphs cannot nest)
+    trunk_graphs: bool = False
     # RoPE by one Triton pass over the q/k/v projection output each way (models/
     # rope_kernel.py) instead of the compiled torch formula; CUDA half precision only (the
     # formula runs elsewhere), models without q/k norms
@@ -147,8 +152,22 @@ class TrainerConfig:
                 f"set {_SECTION}.compile_mode to default, reduce-overhead or max-autotune "
                 f"(got {self.compile_mode!r})"
             )
+        if self.trunk_graphs:
+            self._validate_trunk_graphs()
         if self.peak_flops < 0:
             raise ConfigError(f"set {_SECTION}.peak_flops >= 0 (0 disables MFU)")
+
+    def _validate_trunk_graphs(self) -> None:
+        if self.compile and self.compile_mode != "default":
+            raise ConfigError(
+                f"{_SECTION}.trunk_graphs captures the trunk itself: set {_SECTION}.compile_mode "
+                f"to default (got {self.compile_mode!r}, whose CUDA graphs cannot nest in it)"
+            )
+        if not self.padding_free or self.pack_bucket_tokens < 1:
+            raise ConfigError(
+                f"{_SECTION}.trunk_graphs replays packed micro-batches of bucketed shapes: set "
+                f"{_SECTION}.padding_free = true and {_SECTION}.pack_bucket_tokens >= 1"
+            )
 
     @property
     def cuda_graphs(self) -> bool:

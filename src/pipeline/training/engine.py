@@ -108,6 +108,10 @@ def place_model(
             block.activation_checkpointing = config.activation_checkpointing and trainable  # type: ignore[union-attr]
         if config.compile:  # one compiled region for the whole trunk: less host overhead
             model.model.compile(mode=config.compile_mode)
+        if config.trunk_graphs and trainable and info.device.type == "cuda":
+            from pipeline.training.trunk_graphs import TrunkGraphs
+
+            model.packed_runner = TrunkGraphs(model.model)
     return model
 
 

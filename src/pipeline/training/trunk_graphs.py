@@ -1,0 +1,127 @@
+"""The learner's packed trunk forward and backward replayed from CUDA graphs of our own.
+
+`compile_mode = "reduce-overhead"` already replays the compiled trunk from CUDA graphs, but
+each call still walks dynamo's guards, AOT autograd's runtime wrappers and the graph trees'
+input and liveness checks over the ~290 parameter inputs of a 0.5B model: ~3.5 ms of host
+time on an H200 host before the forward's first kernel, while the device waits (a
+perf_counter timeline of train_step; the whole step is ~58 ms). `TrunkGraphs` captures the
+trunk (compiled without CUDA graphs) once per packed shape with
+`torch.cuda.make_graphed_callables`, forward and backward, and replays them through one
+autograd function: a call copies the three index inputs and replays one graph.
+
+Shapes: the packer buckets them (`trainer.pack_bucket_tokens`): tokens, the number of
+cu_seqlens entries and max_seqlen, with the varlen grouping flag, key one graph pair. All
+pairs share one memory pool, which is safe because the learner replays them strictly as
+forward then backward of one micro-batch, and every output a later replay could overwrite
+(the hidden states, the parameters' gradients) is consumed first: `TrainEngine.begin_forward`
+moves pending gradients to float32 before each forward. The parameters must keep the
+addresses they had at capture (the compute copies of `ComputeWeights`, one fixed buffer);
+a call that finds them elsewhere, or without gradients, or anywhere but CUDA, runs the
+trunk as it is (`None` back to the caller).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.log import get_logger
+from pipeline.models.attention import AttentionSpec
+
+_log = get_logger("training.trunk_graphs")
+
+
+class _PackedTrunk(nn.Module):
+    """The trunk with the packed attention spec's host values fixed (the graphed callable
+    takes tensors only)."""
+
+    def __init__(self, trunk: nn.Module, max_seqlen: int, grouped: bool) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.max_seqlen = max_seqlen
+        self.grouped = grouped
+
+    def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor) -> Tensor:
+        spec = AttentionSpec(
+            cu_seqlens=cu_seqlens, max_seqlen=self.max_seqlen, grouped=self.grouped
+        )
+        return self.trunk(input_ids, positions, spec)
+
+
+class TrunkGraphs:
+    """Graphed training forward + backward of a packed trunk, one pair per shape."""
+
+    def __init__(self, trunk: nn.Module, *, max_graphs: int = 16) -> None:
+        self.trunk = trunk
+        self.max_graphs = max_graphs
+        self.params = list(trunk.parameters())
+        self._graphs: dict[tuple[Any, ...], tuple[nn.Module, tuple[int, ...]]] = {}
+        self._pool: Any = None
+        self._full_warned = False
+        self.replays = 0  # graphed calls
+        self.fallbacks = 0  # training calls the trunk ran itself (graphs full, weights moved)
+
+    @property
+    def shapes(self) -> list[tuple[Any, ...]]:
+        """(input shape, cu_seqlens entries, max_seqlen, grouped) of each captured pair."""
+        return [key[:4] for key in self._graphs]
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, spec: AttentionSpec) -> Tensor | None:
+        """The trunk's hidden states (1, T, hidden) from the graphs, or None where they do
+        not apply (the caller then runs the trunk itself)."""
+        cu = spec.cu_seqlens
+        if (
+            cu is None
+            or not input_ids.is_cuda
+            or not torch.is_grad_enabled()
+            or not self.trunk.training
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            return None
+        key = (
+            tuple(input_ids.shape),
+            cu.numel(),
+            spec.max_seqlen,
+            spec.grouped,
+            self.params[0].dtype,
+        )
+        entry = self._graphs.get(key)
+        if entry is None:
+            if len(self._graphs) >= self.max_graphs:
+                if not self._full_warned:
+                    self._full_warned = True
+                    _log.warning("trunk_graphs_full", graphs=len(self._graphs), shape=key[:4])
+                self.fallbacks += 1
+                return None
+            entry = self._capture(key, input_ids, positions, cu, spec)
+        graphed, addresses = entry
+        if self._addresses() != addresses:  # not the compute copies it was captured with
+            self.fallbacks += 1
+            return None
+        self.replays += 1
+        return graphed(input_ids, positions, cu)
+
+    def _addresses(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.params)
+
+    def _capture(
+        self,
+        key: tuple[Any, ...],
+        input_ids: Tensor,
+        positions: Tensor,
+        cu: Tensor,
+        spec: AttentionSpec,
+    ) -> tuple[nn.Module, tuple[int, ...]]:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        module = _PackedTrunk(self.trunk, spec.max_seqlen, spec.grouped)
+        sample = (input_ids.clone(), positions.clone(), cu.clone())  # the static inputs
+        graphed = torch.cuda.make_graphed_callables(
+            module, sample, num_warmup_iters=2, pool=self._pool
+        )
+        entry = (graphed, self._addresses())
+        self._graphs[key] = entry
+        _log.info("trunk_graph_captured", shape=key[:4], graphs=len(self._graphs))
+        return entry

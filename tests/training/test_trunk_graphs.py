@@ -1,0 +1,102 @@
+"""trainer.trunk_graphs (training/trunk_graphs.py): the configuration it needs, the calls it
+leaves to the trunk, and on CUDA the graphed forward and backward against the trunk's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.models import CausalLM, ModelConfig
+from pipeline.models.attention import AttentionSpec
+from pipeline.training import TrainerConfig
+from pipeline.training.trunk_graphs import TrunkGraphs
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CONFIG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=97,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    attention_bias=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("changes", "names"),
+    [
+        ({"compile": True, "compile_mode": "reduce-overhead"}, "compile_mode"),
+        ({"compile": True, "compile_mode": "max-autotune"}, "compile_mode"),
+        ({"padding_free": False}, "padding_free"),
+        ({"pack_bucket_tokens": 0}, "pack_bucket_tokens"),
+    ],
+)
+def test_trunk_graphs_rejects_what_it_cannot_capture(changes, names):
+    base = {"trunk_graphs": True, "pack_bucket_tokens": 64}
+    with pytest.raises(ConfigError, match=names):
+        TrainerConfig(**{**base, **changes}).validate()
+    # the same settings without trunk graphs are fine
+    TrainerConfig(**{**base, **changes, "trunk_graphs": False}).validate()
+
+
+def _packed_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    lengths = [37, 50, 41]  # 128 tokens: one bucket of 64 * 2
+    ids = torch.randint(0, CONFIG.vocab_size, (1, sum(lengths)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, 37, 87, 128, 128], dtype=torch.long)
+    return ids.to(device), positions.to(device), cu.to(device)
+
+
+def test_calls_it_cannot_replay_go_back_to_the_trunk():
+    """On CPU, or without gradients, the runner answers None and the trunk runs as usual."""
+    model = CausalLM(CONFIG)
+    graphs = TrunkGraphs(model.model)
+    ids, positions, cu = _packed_inputs("cpu")
+    spec = AttentionSpec(cu_seqlens=cu, max_seqlen=64)
+    assert graphs(ids, positions, spec) is None  # not CUDA
+    with torch.no_grad():
+        assert graphs(ids, positions, spec) is None
+    assert graphs.replays == 0 and graphs.shapes == []
+    model.packed_runner = graphs
+    plain = CausalLM(CONFIG)
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(
+        model.hidden_states_packed(ids, positions, cu, 64),
+        plain.hidden_states_packed(ids, positions, cu, 64),
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_trunk_matches_the_trunk_in_value_and_gradient_and_replays():
+    torch.manual_seed(0)
+    plain = CausalLM(CONFIG).to("cuda", torch.bfloat16)
+    graphed = CausalLM(CONFIG).to("cuda", torch.bfloat16)
+    graphed.load_state_dict(plain.state_dict())
+    graphed.tie_weights()
+    runner = TrunkGraphs(graphed.model)
+    graphed.packed_runner = runner
+    ids, positions, cu = _packed_inputs("cuda")
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):  # capture, then replays with new inputs and output gradients
+        ids = torch.randint(0, CONFIG.vocab_size, ids.shape, generator=g).to("cuda")
+        upstream = torch.randn(1, 128, CONFIG.hidden_size, generator=g).to("cuda", torch.bfloat16)
+        outs = []
+        for model in (plain, graphed):
+            model.zero_grad(set_to_none=True)
+            hidden = model.hidden_states_packed(ids, positions, cu, 64)
+            hidden.backward(upstream)
+            outs.append([hidden.detach().float()] + [p.grad.float() for p in model.parameters()])
+        for a, b in zip(*outs, strict=True):
+            err = (a - b).abs().max().item() / max(1e-3, a.abs().max().item())
+            assert err < 2e-2, (step, err)
+    assert runner.replays == 3 and len(runner.shapes) == 1 and runner.fallbacks == 0
+    with torch.no_grad():  # an inference forward runs the trunk itself
+        graphed.hidden_states_packed(ids, positions, cu, 64)
+    assert runner.replays == 3

@@ -215,7 +215,9 @@ class ComputeWeights:
             self._refresh(masters)
         self.discard()
         for i, (p, low) in enumerate(zip(self.params, self._low, strict=True)):
-            self._grads[i], p.grad = p.grad, None  # float32 gradients so far keep adding up
+            grad = p.grad  # float32 gradients so far keep adding up
+            if grad is not None:  # (none after zero_grad: the accumulator is None already)
+                self._grads[i], p.grad = grad, None
             p.data = low
         self.active = True
         self._defer = defer

@@ -2,12 +2,15 @@
 
 `compile_mode = "reduce-overhead"` already replays the compiled trunk from CUDA graphs, but
 each call still walks dynamo's guards, AOT autograd's runtime wrappers and the graph trees'
-input and liveness checks over the ~290 parameter inputs of a 0.5B model: ~3.5 ms of host
-time on an H200 host before the forward's first kernel, while the device waits (a
-perf_counter timeline of train_step; the whole step is ~58 ms). `TrunkGraphs` captures the
-trunk (compiled without CUDA graphs) once per packed shape with
+input and liveness checks over the ~290 parameter inputs of a 0.5B model. `TrunkGraphs`
+captures the trunk (compiled without CUDA graphs) once per packed shape with
 `torch.cuda.make_graphed_callables`, forward and backward, and replays them through one
-autograd function: a call copies the three index inputs and replays one graph.
+autograd function: a call checks the parameters' addresses, copies the three index inputs
+and launches one graph. Measured on an H200 host (0.5B learner step, perf_counter marks):
+the trunk's forward call returned after 1.5 ms instead of 3.3 ms (1.0 ms of it the graph
+launch, during which the device already runs), but the step took about as long (median
+57.2 vs 57.5 ms; the learner_step bench in one run 57.9 vs 58.0 ms): the trees' replay
+starts early in their call, so little of their overhead held the device back.
 
 Shapes: the packer buckets them (`trainer.pack_bucket_tokens`): tokens, the number of
 cu_seqlens entries and max_seqlen, with the varlen grouping flag, key one graph pair. All
@@ -18,6 +21,13 @@ moves pending gradients to float32 before each forward. The parameters must keep
 addresses they had at capture (the compute copies of `ComputeWeights`, one fixed buffer);
 a call that finds them elsewhere, or without gradients, or anywhere but CUDA, runs the
 trunk as it is (`None` back to the caller).
+
+Known: the parameters' gradient accumulators are created during the capture, on the side
+stream make_graphed_callables captures on, and live on with the captured autograd graph;
+autograd warns once that their stream differs and syncs the two streams in each backward.
+Not yet run end to end on a GPU: the one attempt (a cold compile cache, 300 s step timeout)
+trained no step, for reasons its logs did not show, so the H200 profile keeps
+`compile_mode = "reduce-overhead"`.
 """
 
 from __future__ import annotations

@@ -252,6 +252,25 @@ def test_fused_rope_trains_identically(model_dir: Path):
         torch.testing.assert_close(states[1][name], value, atol=1e-6, rtol=1e-6, msg=name)
 
 
+def test_fused_norm_trains_identically(model_dir: Path):
+    """trainer.fused_norm moves every residual add into the next norm's op (its torch formula
+    on CPU): the same updated weights, with activation checkpointing too, and the trunk and
+    every block run it."""
+    states = []
+    for fused, checkpointing in ((False, False), (True, False), (True, True)):
+        config = CONFIG.replace(fused_norm=fused, activation_checkpointing=checkpointing)
+        trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
+        trunk = trainer.model.model
+        assert [trunk.fused_norm, *(b.fused_norm for b in trunk.layers)] == [fused] * (
+            1 + len(trunk.layers)
+        )
+        trainer.train_step(make_batch(seed=3))
+        states.append(state_of(trainer.model))
+    for other in states[1:]:
+        for name, value in states[0].items():
+            torch.testing.assert_close(other[name], value, atol=1e-6, rtol=1e-6, msg=name)
+
+
 def test_compile_modes_and_which_replay_cuda_graphs():
     assert not CONFIG.cuda_graphs  # not compiled
     for mode, graphs in (("default", False), ("reduce-overhead", True), ("max-autotune", True)):

@@ -98,6 +98,7 @@ PROFILE_KNOBS = (
     "pack_bucket_tokens",
     "fused_rope",
     "trunk_graphs",
+    "fused_norm",
 )
 
 
@@ -217,6 +218,7 @@ def run_ours(
             "flat_optimizer": config.flat_optimizer,
             "fused_rope": config.fused_rope,
             "trunk_graphs": config.trunk_graphs,
+            "fused_norm": config.fused_norm,
             "keep_reference": kl,
             "use_kl_loss": kl,
         },

@@ -44,19 +44,49 @@ class DecoderBlock(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.activation_checkpointing = False
+        # set with DecoderTrunk.fused_norm: see _fused_block
+        self.fused_norm = False
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        spec: AttentionSpec,
+        delta: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The block's output; with `fused_norm`, (h, m) whose sum it is (see _fused_block)."""
+        block = self._fused_block if self.fused_norm else self._block
+        args = (x, cos, sin, spec, delta)
         if self.activation_checkpointing and spec.cache is None and torch.is_grad_enabled():
-            return checkpoint(self._block, x, cos, sin, spec, use_reentrant=False)
-        return self._block(x, cos, sin, spec)
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
 
     def _block(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        spec: AttentionSpec,
+        delta: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, spec)  # (batch, seq, hidden)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _fused_block(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        spec: AttentionSpec,
+        delta: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same block with every residual add done inside the next norm: its input is
+        x + delta and its output (h, m) is left unadded for the next block's (or the final)
+        norm to add (models/norm_kernel.py)."""
+        s, y = self.input_layernorm.add_norm(x, delta)  # s = x + delta: the block's input
+        h, y = self.post_attention_layernorm.add_norm(s, self.self_attn(y, cos, sin, spec))
+        return h, self.mlp(y)
 
 
 class DecoderTrunk(nn.Module):
@@ -70,12 +100,20 @@ class DecoderTrunk(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        # set by the trainer (`trainer.fused_norm`, with every block's): residual adds inside
+        # the norms' one-pass op (models/norm_kernel.py)
+        self.fused_norm = False
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (batch, seq, hidden)
         cos, sin = self.rotary_emb(positions, x.dtype)  # (batch, seq, head_dim)
+        if self.fused_norm:
+            delta = None  # the last block's output is x + delta
+            for layer in self.layers:
+                x, delta = layer(x, cos, sin, spec, delta)
+            return self.norm.add_norm(x, delta)[1]
         for layer in self.layers:
             x = layer(x, cos, sin, spec)
         return self.norm(x)  # (batch, seq, hidden)

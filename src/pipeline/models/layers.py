@@ -29,6 +29,15 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, self(s)) with s = x + delta (x without delta), by the one-pass op of
+        models/norm_kernel.py: the residual add fused into the norm, both ways."""
+        from pipeline.models.norm_kernel import add_rms_norm
+
+        return add_rms_norm(x, delta, self.weight, self.eps)
+
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 

@@ -85,6 +85,10 @@ class TrainerConfig:
     # rope_kernel.py) instead of the compiled torch formula; CUDA half precision only (the
     # formula runs elsewhere), models without q/k norms
     fused_rope: bool = False
+    # every residual add inside the next RMSNorm, both in one Triton pass each way (models/
+    # norm_kernel.py): the norm's backward with its weight gradient in one kernel instead of
+    # three; the torch formula where Triton cannot run
+    fused_norm: bool = False
     # reference model: None keeps one only when the algorithm needs it (KL loss / reward)
     keep_reference: bool | None = None
     # reporting: peak FLOP/s of one device (0 disables MFU, e.g. on CPU)

@@ -87,8 +87,10 @@ def place_model(
     if not trainable and not is_distributed():
         single_dtype = config.compute_dtype(info.device)
     model = model.to(device=info.device, dtype=single_dtype)
+    model.model.fused_norm = config.fused_norm
     for block in model.model.layers:
         block.self_attn.fused_rope = config.fused_rope  # type: ignore[union-attr]
+        block.fused_norm = config.fused_norm  # type: ignore[union-attr]
     if isinstance(model, CausalLM):
         model.tie_weights()  # a conversion may have replaced the shared parameter
     if not trainable:

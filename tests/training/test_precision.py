@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.training.precision import ComputeWeights
+from pipeline.training.precision import ComputeWeights, data_ptrs_equal
 
 
 def _model() -> nn.Module:
@@ -152,3 +152,11 @@ def test_deferral_needs_the_flat_layout_and_an_exception_drops_pending():
         raise RuntimeError("boom")
     assert flat.pending_grads() is None
     assert all(p.grad is None and p.dtype == torch.float32 for p in flat_model.parameters())
+
+
+def test_data_ptrs_equal_sees_a_moved_tensor():
+    tensors = [torch.zeros(3), torch.zeros(5)]
+    ptrs = [t.data_ptr() for t in tensors]
+    assert data_ptrs_equal(tensors, ptrs)
+    tensors[1].data = torch.zeros(5)  # a load that replaced the storage instead of copying
+    assert not data_ptrs_equal(tensors, ptrs)

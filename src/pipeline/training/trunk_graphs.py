@@ -39,10 +39,9 @@ from torch import Tensor, nn
 
 from pipeline.log import get_logger
 from pipeline.models.attention import AttentionSpec
+from pipeline.training.precision import data_ptrs_equal
 
 _log = get_logger("training.trunk_graphs")
-# (tensors, data pointers, indices) -> all equal; in CUDA builds of torch
-_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class _PackedTrunk(nn.Module):
@@ -69,7 +68,6 @@ class TrunkGraphs:
         self.trunk = trunk
         self.max_graphs = max_graphs
         self.params = list(trunk.parameters())
-        self._indices = list(range(len(self.params)))
         self._graphs: dict[tuple[Any, ...], tuple[nn.Module, list[int]]] = {}
         self._pool: Any = None
         self._full_warned = False
@@ -110,7 +108,7 @@ class TrunkGraphs:
                 return None
             entry = self._capture(key, input_ids, positions, cu, spec)
         graphed, addresses = entry
-        if not self._same_addresses(addresses):  # not the compute copies of the capture
+        if not data_ptrs_equal(self.params, addresses):  # not the capture's compute copies
             self.fallbacks += 1
             return None
         self.replays += 1
@@ -118,13 +116,6 @@ class TrunkGraphs:
 
     def _addresses(self) -> list[int]:
         return [p.data_ptr() for p in self.params]
-
-    def _same_addresses(self, addresses: list[int]) -> bool:
-        """Every parameter where it was at capture: one C++ pass where torch has it (the
-        check of CUDA-graph trees), ~290 Python calls otherwise."""
-        if _PTRS_EQUAL is not None:
-            return bool(_PTRS_EQUAL(self.params, addresses, self._indices))
-        return self._addresses() == addresses
 
     def _capture(
         self,

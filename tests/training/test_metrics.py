@@ -19,6 +19,19 @@ def test_host_numbers_cpu_tensors_and_device_tensors_sum_and_max_together():
     assert sums.reduce() == {"a": 3.5, "b": 3.0, "m": -2.5}
 
 
+def test_device_tensors_add_into_their_own_entries(monkeypatch):
+    """The on-device path (a GPU's tensors): each key's adds land in its entry of the one
+    vector, the other entries untouched (CPU tensors taken as device tensors here)."""
+    sums = MetricSums(["a", "b", "c"], ["m", "n"], torch.device("cpu"))
+    monkeypatch.setattr(sums, "_on_device", lambda value: isinstance(value, torch.Tensor))
+    sums.add("b", torch.tensor(2.0))
+    sums.add("b", torch.tensor(0.5, dtype=torch.float32))
+    sums.add("c", 1.0)  # a host number still goes to the host sums
+    sums.max("n", torch.tensor(-1.0))
+    sums.max("n", torch.tensor(-3.0))
+    assert sums.reduce() == {"a": 0.0, "b": 2.5, "c": 1.0, "m": -float("inf"), "n": -1.0}
+
+
 def test_undeclared_keys_are_errors():
     sums = MetricSums(["a"], [], torch.device("cpu"))
     with pytest.raises(KeyError, match="declared"):

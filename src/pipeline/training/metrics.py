@@ -32,13 +32,13 @@ class MetricSums:
         self.max_keys = sorted(set(max_keys))
         if device is None or is_distributed():
             device = collective_device()
-        # one vector per kind (two fills, not one per key); each key is a view into it
+        # one vector per kind (two fills, not one per key); a device add goes to its entry
         self._sum_vec = torch.zeros(len(self.sum_keys), dtype=torch.float64, device=device)
         self._max_vec = torch.full(
             (len(self.max_keys),), -torch.inf, dtype=torch.float64, device=device
         )
-        self._sums = {k: self._sum_vec[i] for i, k in enumerate(self.sum_keys)}
-        self._maxes = {k: self._max_vec[i] for i, k in enumerate(self.max_keys)}
+        self._sums = {k: i for i, k in enumerate(self.sum_keys)}
+        self._maxes = {k: i for i, k in enumerate(self.max_keys)}
         self._host_sums = dict.fromkeys(self.sum_keys, 0.0)
         self._host_maxes = dict.fromkeys(self.max_keys, -math.inf)
 
@@ -49,7 +49,8 @@ class MetricSums:
         if key not in self._sums:
             raise KeyError(f"metric {key!r} was not declared; declared: {self.sum_keys}")
         if self._on_device(value):
-            self._sums[key] += value.detach().to(self._sums[key])  # type: ignore[union-attr]
+            view = self._sum_vec[self._sums[key]]
+            view += value.detach().to(view)  # type: ignore[union-attr]
         else:
             self._host_sums[key] += float(value)
 
@@ -57,7 +58,7 @@ class MetricSums:
         if key not in self._maxes:
             raise KeyError(f"metric {key!r} was not declared as a max; declared: {self.max_keys}")
         if self._on_device(value):
-            view = self._maxes[key]
+            view = self._max_vec[self._maxes[key]]
             torch.maximum(view, value.detach().to(view), out=view)  # type: ignore[union-attr]
         else:
             self._host_maxes[key] = max(self._host_maxes[key], float(value))

@@ -204,12 +204,13 @@ def pack_padding_free(
     """
     if not indices:
         return _dummy()
-    # NumPy, not one small torch op per sequence: this runs while the device waits
-    parts = [t.numpy() for i in indices for t in (batch.prompt_ids[i], batch.response_ids[i])]
-    lengths = [a.size + b.size for a, b in zip(parts[0::2], parts[1::2], strict=True)]
+    # one torch op for all sequences, then NumPy: this runs while the device waits (a
+    # `.numpy()` per sequence was four dispatched ops each, 128 for 16 samples)
+    parts = [t for i in indices for t in (batch.prompt_ids[i], batch.response_ids[i])]
+    lengths = [a.numel() + b.numel() for a, b in zip(parts[0::2], parts[1::2], strict=True)]
     offsets = [0, *np.cumsum(lengths).tolist()]
     total = offsets[-1]
-    ids = np.concatenate(parts).astype(np.int64, copy=False)  # (T,)
+    ids = torch.cat(parts).numpy().astype(np.int64, copy=False)  # (T,)
     targets = np.zeros_like(ids)  # (T,): the next token; each sequence's last stays 0
     targets[:-1] = ids[1:]
     targets[np.asarray(offsets[1:]) - 1] = 0

@@ -1,5 +1,5 @@
 """2-rank FSDP2 (gloo, CPU, joined from torchrun-style env) learner steps equal
-single-process steps on the whole batch."""
+single-process steps on the whole batch, with and without trainer.fused_norm."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -50,7 +51,7 @@ ALGORITHM = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.0
 COMPARED = ("actor/pg_loss", "actor/loss", "actor/kl_loss", "actor/entropy", "kl/k3", "mismatch/kl")
 
 
-def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+def _worker(rank: int, port: int, model_dir: str, out_dir: str, fused_norm: bool) -> None:
     torch.set_num_threads(1)
     # torchrun-style environment, as the learner service gets it
     os.environ.update(
@@ -65,7 +66,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         assert (info.rank, info.world_size, dist.get_backend()) == (rank, WORLD, "gloo")
         mesh = build_mesh(info)
         assert mesh is not None and mesh.size() == WORLD
-        trainer = PolicyTrainer(model_dir, CONFIG, ALGORITHM)
+        trainer = PolicyTrainer(model_dir, CONFIG.replace(fused_norm=fused_norm), ALGORITHM)
         history = []
         for step in range(STEPS):
             history.append(trainer.train_step(make_batch(seed=step, n=SAMPLES).shard(rank, WORLD)))
@@ -99,15 +100,21 @@ def _micro_counts(rank: int, seed: int) -> list[int]:
     return [len(plan_micro_batches([lengths[i] for i in m], budget)) for m in minis]
 
 
-def test_two_rank_fsdp_steps_equal_single_process_steps_weights_and_losses(tmp_path: Path):
+# fused_norm: every residual add inside the next norm's op (its torch formula on CPU), whose
+# weights FSDP's hooks must have gathered when the op reads them
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_two_rank_fsdp_steps_equal_single_process_steps_weights_and_losses(
+    tmp_path: Path, fused_norm: bool
+):
     # precondition: the ranks disagree on micro-batch counts, so the sync path is exercised
     assert _micro_counts(0, 0) != _micro_counts(1, 0)
     model_dir = save_tiny_model(tmp_path / "model")
-    single = PolicyTrainer(model_dir, CONFIG, ALGORITHM)
+    single = PolicyTrainer(model_dir, CONFIG.replace(fused_norm=fused_norm), ALGORITHM)
     expected = [single.train_step(make_batch(seed=step, n=SAMPLES)) for step in range(STEPS)]
     expected_state = state_of(single.model)
 
-    mp.spawn(_worker, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=WORLD, join=True)
+    args = (free_port(), str(model_dir), str(tmp_path), fused_norm)
+    mp.spawn(_worker, args=args, nprocs=WORLD, join=True)
 
     state = torch.load(tmp_path / "state.pt")
     assert sorted(state) == sorted(expected_state)

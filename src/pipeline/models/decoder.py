@@ -70,6 +70,7 @@ class DecoderBlock(nn.Module):
         spec: AttentionSpec,
         delta: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The block as written (`delta`, only ever None here, keeps one signature)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, spec)  # (batch, seq, hidden)
         return x + self.mlp(self.post_attention_layernorm(x))
 

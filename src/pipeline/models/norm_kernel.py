@@ -132,9 +132,8 @@ def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
 
 def _backward(ctx, ds_out, dy, _drstd):  # type: ignore[no-untyped-def]
     s, rstd, weight = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(s)
-    residual = ds_out if ctx.has_delta and ds_out is not None and ds_out.numel() else None
+    # autograd hands zeros for an unused output (without delta, s is an empty placeholder)
+    residual = ds_out if ctx.has_delta else None
     ds, dw = _add_rms_norm_backward(dy, residual, s, rstd, weight)
     return ds, (ds if ctx.has_delta else None), dw, None
 

@@ -114,9 +114,6 @@ class TrunkGraphs:
         self.replays += 1
         return graphed.forward(input_ids, positions, cu)  # the graphed forward, no hooks
 
-    def _addresses(self) -> list[int]:
-        return [p.data_ptr() for p in self.params]
-
     def _capture(
         self,
         key: tuple[Any, ...],
@@ -132,7 +129,7 @@ class TrunkGraphs:
         graphed = torch.cuda.make_graphed_callables(
             module, sample, num_warmup_iters=2, pool=self._pool
         )
-        entry = (graphed, self._addresses())
+        entry = (graphed, [p.data_ptr() for p in self.params])
         self._graphs[key] = entry
         _log.info("trunk_graph_captured", shape=key[:4], graphs=len(self._graphs))
         return entry

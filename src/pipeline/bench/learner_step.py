@@ -376,6 +376,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "tokens_per_step": tokens,
         "warmup": args.warmup,
         "steps": args.steps,
+        "torch_threads": torch.get_num_threads(),  # the host's CPU ops (--threads)
         "timing": "median wall seconds of one train_step / training step, device drained",
         "seconds": {
             "ours": [round(s, 5) for s in ours],

@@ -7,9 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .triton_helpers import HAS_TRITON, NO_TRITON, interpret, run_script
+from .triton_helpers import (
+    HAS_TRITON,
+    NO_TRITON,
+    interpret,
+    model_parity,
+    run_script,
+    with_prelude,
+)
 
-CHECK = """
+CHECK = (
+    """
 import torch
 from pipeline.models.norm_kernel import add_rms_norm, kernel_supported
 
@@ -51,47 +59,27 @@ for rows, hidden, with_delta, residual in ((37, 96, True, True), (5, 130, True, 
 # compiled: one opaque op inside the graph, the same values
 f = torch.compile(lambda a, b, c: [o.sum() for o in add_rms_norm(a, b, c, eps)], fullgraph=True)
 torch.testing.assert_close(f(x, x, w), [o.sum() for o in add_rms_norm(x, x, w, eps)])
-
-# a model: fused_norm on the trunk and every block gives the same logits and gradients
-from pipeline.models import CausalLM, ModelConfig
-config = ModelConfig(model_type="qwen2", vocab_size=61, hidden_size=64, intermediate_size=96,
-                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, attention_bias=True)
-ids = torch.randint(0, 61, (1, 23), generator=g).to(DEVICE)
-positions = torch.cat([torch.arange(9), torch.arange(14)])[None].to(DEVICE)
-cu = torch.tensor([0, 9, 23]).to(DEVICE)
-runs = []
-for fused in (False, True):
-    torch.manual_seed(0)
-    model = CausalLM(config).to(DEVICE, DTYPE)
-    model.model.fused_norm = fused
-    for block in model.model.layers:
-        block.fused_norm = fused
-    logits = model.forward_packed(ids, positions, cu)
-    logits.float().square().mean().backward()
-    runs.append([logits.detach().float()] + [p.grad.float() for p in model.parameters()])
-for a, b in zip(*runs):
-    err = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
-    assert err < MODEL_TOL, err
+"""
+    + model_parity(
+        "fused_norm on the trunk and every block",
+        3,
+        "    model.model.fused_norm = fused\n"
+        "    for block in model.model.layers:\n"
+        "        block.fused_norm = fused",
+    )
+    + """
 print("norm ok")
 """
-
-
-def _script(device: str, dtype: str, atol: float, model_tol: float, kernel: bool) -> str:
-    prelude = (
-        f"DEVICE, DTYPE, ATOL, MODEL_TOL, KERNEL = {device!r}, torch.{dtype}, {atol}, "
-        f"{model_tol}, {kernel}\n"
-    )
-    return CHECK.replace("import torch\n", "import torch\n" + prelude, 1)
+)
 
 
 def test_torch_formula_matches_float64_where_triton_does_not_run():
-    exec(_script("cpu", "float32", 1e-5, 1e-5, False), {})
+    exec(with_prelude(CHECK, "cpu", "float32", 1e-5, 1e-5, False), {})
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason=NO_TRITON)
 def test_kernels_match_float64_under_the_triton_interpreter():
-    assert "norm ok" in interpret(_script("cpu", "float32", 1e-5, 1e-5, True))
+    assert "norm ok" in interpret(with_prelude(CHECK, "cpu", "float32", 1e-5, 1e-5, True))
 
 
 @pytest.mark.gpu
@@ -99,4 +87,4 @@ def test_kernels_match_float64_under_the_triton_interpreter():
 def test_kernels_match_float64_in_bf16_on_cuda():
     # bf16 outputs and gradients rounded as autograd rounds the unfused formula's steps
     # (<= a few 2^-9 relative) against float64 on the same bf16 inputs
-    assert "norm ok" in run_script(_script("cuda", "bfloat16", 3e-2, 5e-2, True))
+    assert "norm ok" in run_script(with_prelude(CHECK, "cuda", "bfloat16", 3e-2, 5e-2, True))

@@ -7,9 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .triton_helpers import HAS_TRITON, NO_TRITON, interpret, run_script
+from .triton_helpers import (
+    HAS_TRITON,
+    NO_TRITON,
+    interpret,
+    model_parity,
+    run_script,
+    with_prelude,
+)
 
-CHECK = """
+CHECK = (
+    """
 import torch
 from pipeline.models.layers import apply_rope
 from pipeline.models.rope_kernel import kernel_supported, rope_qkv
@@ -48,49 +56,25 @@ for t, heads, kv, hd in ((45, 4, 2, 16), (70, 3, 1, 32)):  # ragged token blocks
 # compiled: one opaque op inside the graph, the same values
 f = torch.compile(lambda a, c, s: [o.sum() for o in rope_qkv(a, c, s, heads, kv)], fullgraph=True)
 torch.testing.assert_close(f(x, cos, sin), [o.sum() for o in rope_qkv(x, cos, sin, heads, kv)])
-
-# a model: fused_rope on every attention layer gives the same logits and gradients, packed
-from pipeline.models import CausalLM, ModelConfig
-config = ModelConfig(model_type="qwen2", vocab_size=61, hidden_size=64, intermediate_size=96,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, attention_bias=True)
-ids = torch.randint(0, 61, (1, 23), generator=g).to(DEVICE)
-positions = torch.cat([torch.arange(9), torch.arange(14)])[None].to(DEVICE)
-cu = torch.tensor([0, 9, 23]).to(DEVICE)
-runs = []
-for fused in (False, True):
-    torch.manual_seed(0)
-    model = CausalLM(config).to(DEVICE, DTYPE)
-    for block in model.model.layers:
-        block.self_attn.fused_rope = fused
-    logits = model.forward_packed(ids, positions, cu)
-    logits.float().square().mean().backward()
-    runs.append([logits.detach().float()] + [p.grad.float() for p in model.parameters()])
-for a, b in zip(*runs):
-    err = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
-    assert err < MODEL_TOL, err
+"""
+    + model_parity(
+        "fused_rope on every attention layer",
+        2,
+        "    for block in model.model.layers:\n        block.self_attn.fused_rope = fused",
+    )
+    + """
 print("rope ok")
 """
-
-
-def _prelude(device: str, dtype: str, atol: float, model_tol: float, kernel: bool) -> str:
-    return (
-        f"DEVICE, DTYPE, ATOL, MODEL_TOL, KERNEL = {device!r}, torch.{dtype}, {atol}, "
-        f"{model_tol}, {kernel}\n"
-    )
-
-
-def _script(prelude: str) -> str:
-    return CHECK.replace("import torch\n", "import torch\n" + prelude, 1)
+)
 
 
 def test_torch_formula_matches_float64_where_triton_does_not_run():
-    exec(_script(_prelude("cpu", "float32", 1e-5, 1e-5, False)), {})
+    exec(with_prelude(CHECK, "cpu", "float32", 1e-5, 1e-5, False), {})
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason=NO_TRITON)
 def test_kernel_matches_float64_under_the_triton_interpreter():
-    assert "rope ok" in interpret(_script(_prelude("cpu", "float32", 1e-5, 1e-5, True)))
+    assert "rope ok" in interpret(with_prelude(CHECK, "cpu", "float32", 1e-5, 1e-5, True))
 
 
 @pytest.mark.gpu
@@ -98,4 +82,4 @@ def test_kernel_matches_float64_under_the_triton_interpreter():
 def test_kernel_matches_float64_in_bf16_on_cuda():
     # outputs rounded once to bf16 (<= 2^-9 relative) against the formula in float64 on the
     # same bf16 inputs; the model's bf16 GEMMs see inputs differing by such roundings
-    assert "rope ok" in run_script(_script(_prelude("cuda", "bfloat16", 3e-2, 5e-2, True)))
+    assert "rope ok" in run_script(with_prelude(CHECK, "cuda", "bfloat16", 3e-2, 5e-2, True))

@@ -24,3 +24,46 @@ def run_script(script: str, **env: str) -> str:
 
 def interpret(script: str) -> str:
     return run_script(script, TRITON_INTERPRET="1")
+
+
+def prelude(device: str, dtype: str, atol: float, model_tol: float, kernel: bool) -> str:
+    """The constants a kernel check script reads, set first (after `import torch`)."""
+    return (
+        f"DEVICE, DTYPE, ATOL, MODEL_TOL, KERNEL = {device!r}, torch.{dtype}, {atol}, "
+        f"{model_tol}, {kernel}\n"
+    )
+
+
+def with_prelude(
+    check: str, device: str, dtype: str, atol: float, model_tol: float, kernel: bool
+) -> str:
+    """`check` with `prelude(...)` right after its `import torch`."""
+    lines = prelude(device, dtype, atol, model_tol, kernel)
+    return check.replace("import torch\n", "import torch\n" + lines, 1)
+
+
+def model_parity(what: str, layers: int, switch: str) -> str:
+    """Script lines: a small packed qwen2 model with a switch off and on (`switch`, code run
+    with `model` and `fused` bound) gives the same logits and gradients within MODEL_TOL.
+    Draws its inputs from the script's generator `g`."""
+    return f"""
+# a model: {what} gives the same logits and gradients, packed
+from pipeline.models import CausalLM, ModelConfig
+config = ModelConfig(model_type="qwen2", vocab_size=61, hidden_size=64, intermediate_size=96,
+                     num_hidden_layers={layers}, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, attention_bias=True)
+ids = torch.randint(0, 61, (1, 23), generator=g).to(DEVICE)
+positions = torch.cat([torch.arange(9), torch.arange(14)])[None].to(DEVICE)
+cu = torch.tensor([0, 9, 23]).to(DEVICE)
+runs = []
+for fused in (False, True):
+    torch.manual_seed(0)
+    model = CausalLM(config).to(DEVICE, DTYPE)
+{switch}
+    logits = model.forward_packed(ids, positions, cu)
+    logits.float().square().mean().backward()
+    runs.append([logits.detach().float()] + [p.grad.float() for p in model.parameters()])
+for a, b in zip(*runs):
+    err = (a - b).abs().max().item() / max(1.0, b.abs().max().item())
+    assert err < MODEL_TOL, err
+"""

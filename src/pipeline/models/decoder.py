@@ -44,7 +44,7 @@ class DecoderBlock(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.activation_checkpointing = False
-        # set with DecoderTrunk.fused_norm: see _fused_block
+        # set with DecoderTrunk.fused_norm: see forward
         self.fused_norm = False
 
     def forward(
@@ -55,12 +55,13 @@ class DecoderBlock(nn.Module):
         spec: AttentionSpec,
         delta: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The block's output; with `fused_norm`, (h, m) whose sum it is (see _fused_block)."""
-        block = self._fused_block if self.fused_norm else self._block
+        """The block's output; with `fused_norm`, (h, m) whose sum it is: every residual add
+        is then done inside the next norm (models/norm_kernel.py), the block's input is
+        x + delta and its output is left unadded for the next block's (or the final) norm."""
         args = (x, cos, sin, spec, delta)
         if self.activation_checkpointing and spec.cache is None and torch.is_grad_enabled():
-            return checkpoint(block, *args, use_reentrant=False)
-        return block(*args)
+            return checkpoint(self._block, *args, use_reentrant=False)
+        return self._block(*args)
 
     def _block(
         self,
@@ -68,26 +69,14 @@ class DecoderBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         spec: AttentionSpec,
-        delta: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The block as written (`delta`, only ever None here, keeps one signature)."""
+        delta: torch.Tensor | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_norm:
+            s, y = self.input_layernorm.add_norm(x, delta)  # s = x + delta: the block's input
+            h, y = self.post_attention_layernorm.add_norm(s, self.self_attn(y, cos, sin, spec))
+            return h, self.mlp(y)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, spec)  # (batch, seq, hidden)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def _fused_block(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        spec: AttentionSpec,
-        delta: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same block with every residual add done inside the next norm: its input is
-        x + delta and its output (h, m) is left unadded for the next block's (or the final)
-        norm to add (models/norm_kernel.py)."""
-        s, y = self.input_layernorm.add_norm(x, delta)  # s = x + delta: the block's input
-        h, y = self.post_attention_layernorm.add_norm(s, self.self_attn(y, cos, sin, spec))
-        return h, self.mlp(y)
 
 
 class DecoderTrunk(nn.Module):

@@ -68,3 +68,22 @@ def test_value_model_packed_values_equal_dense_values(family_config: ModelConfig
         for i, seq in enumerate(seqs):
             dense = model(seq[None])[0]
             torch.testing.assert_close(packed[0, cu[i] : cu[i + 1]], dense, atol=ATOL, rtol=RTOL)
+
+
+def test_uniform_rows_equal_each_sequence_alone(family_config: ModelConfig, make_native):
+    """Sequences of one length, packed and vouched `uniform`, attend as a (rows, length)
+    batch: the same logits as each sequence alone, for every family (q/k norms, biases)."""
+    model = make_native(family_config)
+    model.uniform_attention = True
+    seqs, ids, positions, cu = _pack([5, 5, 5], family_config.vocab_size, tail_pad=0, seed=9)
+    with torch.no_grad():
+        rows = model.forward_packed(ids, positions, cu, max_seqlen=5, uniform=True)
+        values = ValueModel(family_config).eval()
+        values.uniform_attention = True
+        packed_values = values.forward_packed(ids, positions, cu, max_seqlen=5, uniform=True)
+        mask_values = values.forward_packed(ids, positions, cu)
+    torch.testing.assert_close(packed_values, mask_values, atol=ATOL, rtol=RTOL)
+    for i, seq in enumerate(seqs):
+        with torch.no_grad():
+            alone = model(seq[None])[0]
+        torch.testing.assert_close(rows[0, cu[i] : cu[i + 1]], alone, atol=ATOL, rtol=RTOL)

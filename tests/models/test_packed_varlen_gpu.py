@@ -80,3 +80,33 @@ def test_grouped_varlen_equals_repeated_heads():
     for got, want in zip(*results, strict=True):
         assert got.shape == want.shape
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_uniform_rows_by_cudnn_equal_grouped_varlen():
+    """Equal-length packed sequences by cuDNN's fused attention as a (rows, length) batch,
+    k/v with 2 heads for 14 query heads as in the 0.5B shape: the flash varlen kernel's
+    output and gradients within bf16 rounding."""
+    from pipeline.models.attention import cudnn_rows_supported, rows_causal, varlen_causal
+
+    dev = torch.device("cuda")
+    if not cudnn_rows_supported(dev, torch.bfloat16):
+        pytest.skip("cuDNN fused attention does not serve rows here (probe failed)")
+    gen = torch.Generator(device=dev).manual_seed(2)
+    rows, length = 6, 256
+    total = rows * length
+    q, k, v = (
+        torch.randn(1, total, h, 64, device=dev, dtype=torch.bfloat16, generator=gen)
+        for h in (14, 2, 2)
+    )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cu = torch.arange(0, total + 1, length, device=dev)
+    weight = torch.randn(1, total, 14 * 64, device=dev, generator=gen)
+    got = rows_causal(q, k, v, rows, cudnn=True)  # (1, total, heads * d)
+    got_grads = torch.autograd.grad((got.float() * weight).sum(), (q, k, v))
+    want = varlen_causal(q[0], k[0], v[0], cu, length).reshape(1, total, -1)
+    want_grads = torch.autograd.grad((want.float() * weight).sum(), (q, k, v))
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)

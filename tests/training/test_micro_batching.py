@@ -10,6 +10,7 @@ import torch
 
 from pipeline.algorithms import AlgorithmConfig
 from pipeline.training import (
+    ExperienceBatch,
     PolicyTrainer,
     TrainerConfig,
     pack_padded,
@@ -136,9 +137,13 @@ def test_packed_copies_are_aligned_views_of_one_buffer_per_dtype():
 
 
 def _first_update_grads(
-    model_dir: Path, config: TrainerConfig, algorithm: AlgorithmConfig
+    model_dir: Path,
+    config: TrainerConfig,
+    algorithm: AlgorithmConfig,
+    batch: ExperienceBatch | None = None,
 ) -> dict[str, torch.Tensor]:
     """Gradients of the first optimizer step, captured just before it is applied."""
+    batch = batch if batch is not None else make_batch(seed=11, n=10)
     trainer = PolicyTrainer(model_dir, config, algorithm)
     grads: dict[str, torch.Tensor] = {}
     apply = trainer.engine.apply_gradients
@@ -149,7 +154,7 @@ def _first_update_grads(
         return apply(*args, **kwargs)
 
     trainer.engine.apply_gradients = capture  # type: ignore[method-assign]
-    trainer.train_step(make_batch(seed=11, n=10))
+    trainer.train_step(batch)
     return grads
 
 
@@ -204,3 +209,50 @@ def test_gradients_do_not_depend_on_micro_batch_budget_or_packing(tmp_path: Path
             torch.testing.assert_close(
                 grad, reference[name], atol=1e-6, rtol=1e-5, msg=f"{budget} {name}"
             )
+
+
+def test_equal_lengths_pack_as_uniform_rows_only_when_no_padding_is_needed():
+    batch = make_batch(seed=4, n=4, prompt_len=(3, 4), response_len=(5, 6))  # 8 tokens each
+    for bucket in (0, 16):
+        packed = pack_padding_free(batch, [0, 1, 2, 3], bucket=bucket)
+        assert packed.uniform and packed.max_seqlen == 8
+        assert packed.input_ids.shape == (1, 32)
+        assert packed.cu_seqlens.tolist() == [0, 8, 16, 24, 32]
+    # three sequences of 8 in buckets of 16: padded as before, so not uniform
+    padded = pack_padding_free(batch, [0, 1, 2], bucket=16)
+    assert not padded.uniform and padded.input_ids.shape == (1, 32)
+    mixed = pack_padding_free(make_batch(seed=3, n=6), [0, 2, 3, 5])
+    assert not mixed.uniform
+
+
+def test_uniform_rows_attention_trains_like_varlen_packing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Equal-length sequences attended as a (rows, length) batch (SDPA on CPU) give the
+    same first-update gradients as the packed block-diagonal path."""
+    from pipeline.models import attention, save_model
+
+    calls = []
+    rows_causal = attention.rows_causal
+
+    def spy(q, k, v, rows, *, cudnn):
+        calls.append(rows)
+        return rows_causal(q, k, v, rows, cudnn=cudnn)
+
+    monkeypatch.setattr(attention, "rows_causal", spy)
+
+    save_model(make_model(), tmp_path / "model")
+    algorithm = AlgorithmConfig(entropy_coef=0.01)
+    batch = make_batch(seed=12, n=6, prompt_len=(4, 5), response_len=(6, 7))
+    grads = {}
+    for uniform in (True, False):
+        config = TrainerConfig(
+            device="cpu", max_tokens_per_micro_batch=40, uniform_attention=uniform
+        )
+        calls.clear()
+        grads[uniform] = _first_update_grads(tmp_path / "model", config, algorithm, batch)
+        # 6 sequences of 10 tokens in 40-token micro-batches: rows of 4 and of 2, per layer
+        assert sorted(set(calls)) == ([2, 4] if uniform else [])
+    assert grads[True].keys() == grads[False].keys()
+    for name, grad in grads[True].items():
+        torch.testing.assert_close(grad, grads[False][name], atol=1e-6, rtol=1e-5, msg=name)

@@ -99,6 +99,7 @@ PROFILE_KNOBS = (
     "fused_rope",
     "trunk_graphs",
     "fused_norm",
+    "uniform_attention",
 )
 
 
@@ -219,6 +220,7 @@ def run_ours(
             "fused_rope": config.fused_rope,
             "trunk_graphs": config.trunk_graphs,
             "fused_norm": config.fused_norm,
+            "uniform_attention": config.uniform_attention,
             "keep_reference": kl,
             "use_kl_loss": kl,
         },

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.models.config import ModelConfig
 from pipeline.models.decode_attention import decode_attention
@@ -30,6 +31,9 @@ class AttentionSpec:
     cu_seqlens/max_seqlen: packed sequences (batch 1) run through flash varlen attention
     (CUDA, half precision) with no mask at all; set only where `varlen_supported` said so.
     grouped: the varlen kernel takes k/v with fewer heads as they are (`varlen_grouped`).
+    rows: the packed row (batch 1) is `rows` sequences of one length back to back; they
+    attend as a (rows, length) causal batch, by cuDNN's kernel where `cudnn` says it serves
+    (`cudnn_rows_supported`), else by SDPA. No mask, no cu_seqlens.
     cache/slots/columns/kv_len: set only on the KV-cache path; columns (b, t) are the cache
     columns to write (padding already redirected to the sink) and kv_len the columns to read.
     decode_lengths (b,): a decode step (t = 1) served by the in-place Triton kernel
@@ -45,6 +49,8 @@ class AttentionSpec:
     max_seqlen: int = 0
     grouped: bool = False
     decode_lengths: torch.Tensor | None = None
+    rows: int = 0
+    cudnn: bool = False
 
 
 class Attention(nn.Module):
@@ -129,6 +135,8 @@ def attend(
 ) -> torch.Tensor:
     """Attention proper (cache write/read included): (batch, seq, heads * head_dim)."""
     b, s = q.shape[:2]
+    if spec.rows:
+        return rows_causal(q, k, v, spec.rows, cudnn=spec.cudnn)
     if spec.cu_seqlens is not None:
         if q.dtype in (torch.bfloat16, torch.float16):
             # (1, seq, ...) -> (seq, ...) as views: a select (q[0]) has a backward that
@@ -164,6 +172,57 @@ def attend(
         enable_gqa=attn.num_kv_heads != attn.num_heads,
     )  # (batch, heads, seq, head_dim)
     return out.transpose(1, 2).reshape(b, s, attn.num_heads * attn.head_dim)
+
+
+def rows_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, *, cudnn: bool
+) -> torch.Tensor:
+    """Causal attention over a packed row (1, T, heads, d) that holds `rows` sequences of
+    T / rows tokens each: the same row viewed as a (rows, T / rows) batch, no copies.
+    cudnn: `cudnn_rows_supported` said yes (used for half precision). Returns
+    (1, T, heads * d)."""
+    b, s, heads, d = q.shape
+    qd, kd, vd = (t.view(rows, -1, t.shape[2], d).transpose(1, 2) for t in (q, k, v))
+    if cudnn and q.dtype in (torch.bfloat16, torch.float16):  # k/v keep their own heads
+        need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qd, kd, vd, None, need_lse, 0.0, True, False
+        )[0]
+    else:
+        out = F.scaled_dot_product_attention(
+            qd, kd, vd, is_causal=True, enable_gqa=kd.shape[1] != heads
+        )  # (rows, heads, length, d)
+    return out.transpose(1, 2).reshape(b, s, heads * d)
+
+
+@functools.cache
+def cudnn_rows_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN's fused attention serves `rows_causal` on `device` in `dtype`: CUDA
+    half precision with cuDNN SDPA enabled, checked once, forward and backward with grouped
+    k/v heads, against SDPA's math kernel (torch 2.11's ragged cuDNN backward returned wrong
+    dq/dk in a probe on an H200, so a capability flag alone is not trusted). Call it outside
+    torch.compile."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not torch.backends.cudnn.is_available() or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 96, h, 64, device=device, dtype=dtype, generator=gen).requires_grad_()
+        for h in (4, 2, 2)
+    )
+    try:
+        got = rows_causal(q, k, v, 3, cudnn=True)
+        grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    with sdpa_kernel(SDPBackend.MATH):
+        want = rows_causal(q, k, v, 3, cudnn=False)
+        wants = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    return all(
+        a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+        for a, b in zip((got, *grads), (want, *wants), strict=True)
+    )
 
 
 def eager_attend(attn: Attention) -> None:

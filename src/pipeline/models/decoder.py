@@ -20,7 +20,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.models.attention import Attention, AttentionSpec, varlen_grouped, varlen_supported
+from pipeline.models.attention import (
+    Attention,
+    AttentionSpec,
+    cudnn_rows_supported,
+    varlen_grouped,
+    varlen_supported,
+)
 from pipeline.models.config import ModelConfig
 from pipeline.models.kv_cache import KVCache
 from pipeline.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -119,6 +125,9 @@ class DecoderBase(nn.Module):
         # optional: runs the packed trunk instead, or returns None (training/trunk_graphs.py
         # replays CUDA graphs of it); a plain attribute, not a submodule
         self.packed_runner: Callable[..., torch.Tensor | None] | None = None
+        # set by the trainer (`trainer.uniform_attention`): packed sequences of one length
+        # attend as a (rows, length) batch (cuDNN's kernel on CUDA) instead of varlen
+        self.uniform_attention = False
 
     # -- trunk entry points (private: public methods must not nest under FSDP hooks) --
 
@@ -145,13 +154,21 @@ class DecoderBase(nn.Module):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int | None = None,
+        uniform: bool = False,
     ) -> torch.Tensor:
         """max_seqlen given: the caller vouches that cu_seqlens covers all of input_ids and
-        that no sequence is longer, so nothing is read back from the device."""
+        that no sequence is longer, so nothing is read back from the device. uniform: it
+        also vouches that every sequence is exactly max_seqlen long (then, with
+        `uniform_attention`, they attend as one (rows, max_seqlen) batch)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"packed input_ids must be (1, total), got {tuple(input_ids.shape)}")
-        cu = cu_seqlens.to(input_ids.device)
         total = input_ids.shape[1]
+        if uniform and self.uniform_attention and max_seqlen and total % max_seqlen == 0:
+            # probed in bfloat16; used where the activations are half precision
+            cudnn = cudnn_rows_supported(input_ids.device, torch.bfloat16)
+            spec = AttentionSpec(rows=total // max_seqlen, cudnn=cudnn)
+            return self.model(input_ids, position_ids, spec)
+        cu = cu_seqlens.to(input_ids.device)
         if varlen_supported(input_ids.device):
             if max_seqlen is None:  # two host syncs
                 if int(cu[-1]) < total:  # tail padding: one more sequence of its own
@@ -247,9 +264,11 @@ class CausalLM(DecoderBase):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int | None = None,
+        uniform: bool = False,
     ) -> torch.Tensor:
         """Logits (1, total, vocab) for sequences packed into one row (no padding compute)."""
-        return self.lm_head(self._packed(input_ids, position_ids, cu_seqlens, max_seqlen))
+        hidden = self._packed(input_ids, position_ids, cu_seqlens, max_seqlen, uniform)
+        return self.lm_head(hidden)
 
     def hidden_states_packed(
         self,
@@ -257,8 +276,10 @@ class CausalLM(DecoderBase):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int | None = None,
+        uniform: bool = False,
     ) -> torch.Tensor:
-        return self._packed(input_ids, position_ids, cu_seqlens, max_seqlen)  # (1, total, hidden)
+        # (1, total, hidden)
+        return self._packed(input_ids, position_ids, cu_seqlens, max_seqlen, uniform)
 
     def token_logprobs(
         self,
@@ -269,6 +290,7 @@ class CausalLM(DecoderBase):
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        uniform: bool = False,
         chunk_tokens: int = 1024,
         temperature: float = 1.0,
         return_entropy: bool = False,
@@ -287,7 +309,7 @@ class CausalLM(DecoderBase):
         if cu_seqlens is not None:
             if position_ids is None:
                 raise ValueError("packed token_logprobs needs position_ids")
-            hidden = self._packed(input_ids, position_ids, cu_seqlens, max_seqlen)
+            hidden = self._packed(input_ids, position_ids, cu_seqlens, max_seqlen, uniform)
         else:
             hidden = self._dense(input_ids, position_ids, attention_mask)
         if score_index is not None:

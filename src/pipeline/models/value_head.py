@@ -46,7 +46,9 @@ class ValueModel(DecoderBase):
         position_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         max_seqlen: int | None = None,
+        uniform: bool = False,
     ) -> torch.Tensor:
-        """Values (1, total) for packed sequences (max_seqlen: see `_packed`)."""
-        hidden = self._packed(input_ids, position_ids, cu_seqlens, max_seqlen)  # (1, total, hidden)
+        """Values (1, total) for packed sequences (max_seqlen, uniform: see `_packed`)."""
+        # (1, total, hidden)
+        hidden = self._packed(input_ids, position_ids, cu_seqlens, max_seqlen, uniform)
         return self.score(hidden).squeeze(-1).float()

@@ -88,6 +88,7 @@ def place_model(
         single_dtype = config.compute_dtype(info.device)
     model = model.to(device=info.device, dtype=single_dtype)
     model.model.fused_norm = config.fused_norm
+    model.uniform_attention = config.uniform_attention
     for block in model.model.layers:
         block.self_attn.fused_rope = config.fused_rope  # type: ignore[union-attr]
         block.fused_norm = config.fused_norm  # type: ignore[union-attr]

@@ -43,6 +43,7 @@ def micro_logprobs(
             attention_mask=mb.attention_mask,
             cu_seqlens=mb.cu_seqlens,
             max_seqlen=mb.max_seqlen or None,
+            uniform=mb.uniform,
             chunk_tokens=chunk_tokens,
             temperature=temperature,
             return_entropy=with_entropy,
@@ -65,7 +66,11 @@ def micro_values(model: ValueModel, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     """(values (m, r) before each response token, anchor) for a micro-batch."""
     if mb.cu_seqlens is not None:
         per_position = model.forward_packed(
-            mb.input_ids, mb.position_ids, mb.cu_seqlens, max_seqlen=mb.max_seqlen or None
+            mb.input_ids,
+            mb.position_ids,
+            mb.cu_seqlens,
+            max_seqlen=mb.max_seqlen or None,
+            uniform=mb.uniform,
         )
     else:
         per_position = model(mb.input_ids, mb.position_ids, mb.attention_mask)

@@ -59,6 +59,7 @@ class MicroBatch:
     attention_mask: Tensor | None = None  # (m, S), padded only
     num_tokens: int = 0  # real (prompt + response) tokens
     max_seqlen: int = 0  # packed: the longest sequence, known on the host (no device read)
+    uniform: bool = False  # packed: every sequence is max_seqlen long, no padding sequence
 
     @property
     def is_empty(self) -> bool:
@@ -200,7 +201,9 @@ def pack_padding_free(
     one per distinct shape): T is padded to a multiple of `bucket` by one padding sequence
     of its own (never gathered), cu_seqlens to a power-of-two count of sequences by empty
     ones, and max_seqlen is rounded up to a power of two (an upper bound is all attention
-    needs).
+    needs). Sequences that all have one length and fill whole buckets are `uniform`: n
+    sequences of exactly max_seqlen (cu_seqlens not padded either), which the model may
+    attend as an (n, max_seqlen) batch.
     """
     if not indices:
         return _dummy()
@@ -216,7 +219,9 @@ def pack_padding_free(
     targets[np.asarray(offsets[1:]) - 1] = 0
     positions = np.arange(total) - np.repeat(offsets[:-1], lengths)  # (T,)
     longest = max(lengths)
-    if bucket > 0:
+    # one length and nothing to pad: the row is (n, longest) as it stands
+    uniform = min(lengths) == longest and (bucket <= 0 or total % bucket == 0)
+    if bucket > 0 and not uniform:
         pad = -total % bucket
         if pad:
             ids = np.concatenate([ids, np.zeros(pad, dtype=np.int64)])
@@ -235,6 +240,7 @@ def pack_padding_free(
         cu_seqlens=torch.tensor(offsets, dtype=torch.long),
         num_tokens=total,
         max_seqlen=longest,
+        uniform=uniform,
     )
 
 

@@ -190,11 +190,11 @@ class CriticTrainer:
             dev: MicroBatch, host: MicroBatch
         ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
             named = {"mask": batch.response_mask, "returns": batch.returns, "old": batch.values}
-            # (m, r) each, queued before the forward (see MicroBatch.fields_to)
-            f = {} if host.is_empty else host.fields_to(self.info.device, named)
             values, anchor = micro_values(self.model, dev)
             if host.is_empty:
                 return None, anchor, {}
+            # (m, r) each, copied while the device runs the forward (see MicroBatch.fields_to)
+            f = host.fields_to(self.info.device, named)
             mask, returns = f["mask"], f["returns"]
             loss, vm = clipped_value_loss(
                 values,

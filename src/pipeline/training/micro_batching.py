@@ -76,10 +76,11 @@ class MicroBatch:
 
     def fields_to(self, device: torch.device, named: dict[str, Tensor | None]) -> dict[str, Tensor]:
         """Several (n, R) host fields restricted to this micro-batch, (m, r) each, on `device`
-        (absent ones left out), in one copy per dtype (`to_device_grouped`). Called before
-        the forward is queued, so no host tensor op runs while the device computes it: on a
-        busy GPU host single small indexing ops there took milliseconds each, with the
-        device waiting at the end of the forward for the loss to be queued."""
+        (absent ones left out), in one copy per dtype (`to_device_grouped`): a few host ops
+        instead of one indexing op per field, which on a busy GPU host took milliseconds
+        each. The trainer calls it right after queueing the micro-batch's forward (tens of
+        milliseconds of device work on a GPU), so that the host does it while the device
+        computes instead of while the device waits for the step's first kernel."""
         host = {k: self.fields(t) for k, t in named.items() if t is not None}
         return to_device_grouped(host, device)
 

@@ -229,8 +229,6 @@ class PolicyTrainer:
             named["behaviour"] = batch.behaviour_logprobs
         else:
             named["prox"], named["is_w"] = inputs["prox"], inputs["is_w"]
-        # (m, r) each, queued before the forward (see MicroBatch.fields_to)
-        f = {} if host.is_empty else host.fields_to(self.info.device, named)
         logp, entropy, anchor = micro_logprobs(
             self.model,
             dev,
@@ -241,6 +239,9 @@ class PolicyTrainer:
         )
         if host.is_empty:
             return None, anchor, {}
+        # (m, r) each, copied while the device runs the forward just queued: the loss
+        # needs them only after it (see MicroBatch.fields_to)
+        f = host.fields_to(self.info.device, named)
         assert entropy is not None
         mask, ref = f["mask"], f.get("ref")
         if fused:

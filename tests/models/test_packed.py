@@ -73,6 +73,9 @@ def test_value_model_packed_values_equal_dense_values(family_config: ModelConfig
 def test_uniform_rows_equal_each_sequence_alone(family_config: ModelConfig, make_native):
     """Sequences of one length, packed and vouched `uniform`, attend as a (rows, length)
     batch: the same logits as each sequence alone, for every family (q/k norms, biases)."""
+    from pipeline.models.attention import cudnn_rows_supported
+
+    assert not cudnn_rows_supported(torch.device("cpu"), torch.bfloat16)  # SDPA serves CPU
     model = make_native(family_config)
     model.uniform_attention = True
     seqs, ids, positions, cu = _pack([5, 5, 5], family_config.vocab_size, tail_pad=0, seed=9)

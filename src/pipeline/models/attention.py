@@ -182,8 +182,11 @@ def rows_causal(
     cudnn: `cudnn_rows_supported` said yes (used for half precision). Returns
     (1, T, heads * d)."""
     b, s, heads, d = q.shape
+    cudnn = cudnn and q.dtype in (torch.bfloat16, torch.float16)
+    if cudnn:  # the layout the probe checked: v may be a strided slice of the projection
+        q, k, v = (t.contiguous() for t in (q, k, v))
     qd, kd, vd = (t.view(rows, -1, t.shape[2], d).transpose(1, 2) for t in (q, k, v))
-    if cudnn and q.dtype in (torch.bfloat16, torch.float16):  # k/v keep their own heads
+    if cudnn:  # k/v keep their own heads
         need_lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(
             qd, kd, vd, None, need_lse, 0.0, True, False
@@ -196,19 +199,19 @@ def rows_causal(
 
 
 @functools.cache
-def cudnn_rows_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether cuDNN's fused attention serves `rows_causal` on `device` in `dtype`: CUDA
-    half precision with cuDNN SDPA enabled, checked once, forward and backward with grouped
-    k/v heads, against SDPA's math kernel (torch 2.11's ragged cuDNN backward returned wrong
-    dq/dk in a probe on an H200, so a capability flag alone is not trusted). Call it outside
-    torch.compile."""
+def cudnn_rows_supported(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> bool:
+    """Whether cuDNN's fused attention serves `rows_causal` on `device` in `dtype` for heads
+    of `head_dim`: CUDA half precision with cuDNN SDPA enabled, checked once per key,
+    forward and backward with grouped k/v heads, against SDPA's math kernel (torch 2.11's
+    ragged cuDNN backward returned wrong dq/dk in a probe on an H200, so a capability flag
+    alone is not trusted). Call it outside torch.compile."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     if not torch.backends.cudnn.is_available() or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
-        torch.randn(1, 96, h, 64, device=device, dtype=dtype, generator=gen).requires_grad_()
+        torch.randn(1, 96, h, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
         for h in (4, 2, 2)
     )
     try:

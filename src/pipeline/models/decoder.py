@@ -165,7 +165,8 @@ class DecoderBase(nn.Module):
         total = input_ids.shape[1]
         if uniform and self.uniform_attention and max_seqlen and total % max_seqlen == 0:
             # probed in bfloat16; used where the activations are half precision
-            cudnn = cudnn_rows_supported(input_ids.device, torch.bfloat16)
+            head_dim = self.config.head_dim
+            cudnn = cudnn_rows_supported(input_ids.device, torch.bfloat16, head_dim)
             spec = AttentionSpec(rows=total // max_seqlen, cudnn=cudnn)
             return self.model(input_ids, position_ids, spec)
         cu = cu_seqlens.to(input_ids.device)

@@ -209,21 +209,44 @@ def cudnn_rows_supported(device: torch.device, dtype: torch.dtype, head_dim: int
         return False
     if not torch.backends.cudnn.is_available() or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
+    q, k, v = _probe_inputs(device, dtype, (1, 96), head_dim)
+
+    def math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            return rows_causal(q, k, v, 3, cudnn=False)
+
+    return _agrees(lambda q, k, v: rows_causal(q, k, v, 3, cudnn=True), math, (q, k, v), 3e-2)
+
+
+def _probe_inputs(
+    device: torch.device, dtype: torch.dtype, lead: tuple[int, ...], head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded q with 4 heads and k, v with 2 (grouped), shaped lead + (heads, head_dim)."""
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (
-        torch.randn(1, 96, h, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+        torch.randn(*lead, h, head_dim, device=device, dtype=dtype, generator=gen)
         for h in (4, 2, 2)
     )
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+
+
+def _agrees(
+    run: Callable[..., torch.Tensor],
+    reference: Callable[..., torch.Tensor],
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tol: float,
+) -> bool:
+    """Whether `run` gives `reference`'s output and q/k/v gradients within `tol` (a kernel
+    probe); False where `run` raises."""
     try:
-        got = rows_causal(q, k, v, 3, cudnn=True)
-        grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+        got = run(*qkv)
+        grads = torch.autograd.grad(got.float().square().sum(), qkv)
     except (RuntimeError, ValueError, TypeError):
         return False
-    with sdpa_kernel(SDPBackend.MATH):
-        want = rows_causal(q, k, v, 3, cudnn=False)
-        wants = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    want = reference(*qkv)
+    wants = torch.autograd.grad(want.float().square().sum(), qkv)
     return all(
-        a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+        a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
         for a, b in zip((got, *grads), (want, *wants), strict=True)
     )
 
@@ -308,22 +331,14 @@ def varlen_grouped(device: torch.device) -> bool:
     from torch.nn.attention.varlen import varlen_attn
 
     causal, _ = _varlen_options()
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (
-        torch.randn(24, h, 64, device=device, dtype=torch.bfloat16, generator=gen)
-        for h in (4, 2, 2)
-    )
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    q, k, v = _probe_inputs(device, torch.bfloat16, (24,), 64)
     cu = torch.tensor([0, 9, 24], device=device, dtype=torch.int32)
-    try:
-        got = varlen_attn(q, k, v, cu, cu, 15, 15, **causal)
-        grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
-    except (RuntimeError, ValueError):
-        return False
-    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
-    want = varlen_attn(q, kr, vr, cu, cu, 15, 15, **causal)
-    wants = torch.autograd.grad(want.float().square().sum(), (q, k, v))
-    return all(
-        a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
-        for a, b in zip((got, *grads), (want, *wants), strict=True)
-    )
+
+    def repeated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        return varlen_attn(q, kr, vr, cu, cu, 15, 15, **causal)
+
+    def grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return varlen_attn(q, k, v, cu, cu, 15, 15, **causal)
+
+    return _agrees(grouped, repeated, (q, k, v), 2e-2)

@@ -79,7 +79,8 @@ class TrainerConfig:
     # a single CUDA process: the packed training forward and backward of the trunk replayed
     # from CUDA graphs captured per bucketed shape (training/trunk_graphs.py): none of the
     # compiled trunk's per-call host work over its parameter inputs. Needs padding_free,
-    # pack_bucket_tokens > 0 and compile_mode "default" (inductor's own graphs cannot nest)
+    # pack_bucket_tokens > 0 and compile_mode "default" (inductor's own graphs cannot nest).
+    # Varlen micro-batches only: uniform ones (see uniform_attention) run the compiled trunk
     trunk_graphs: bool = False
     # RoPE by one Triton pass over the q/k/v projection output each way (models/
     # rope_kernel.py) instead of the compiled torch formula; CUDA half precision only (the

@@ -5,15 +5,14 @@ interpreter on CPU and compiled on a GPU; and a model with `fused_norm` against 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from .triton_helpers import (
-    HAS_TRITON,
-    NO_TRITON,
-    interpret,
+    check_cuda_bf16,
+    check_formula_on_cpu,
+    check_interpreted,
     model_parity,
-    run_script,
-    with_prelude,
+    needs_cuda,
+    needs_triton,
 )
 
 CHECK = (
@@ -74,17 +73,17 @@ print("norm ok")
 
 
 def test_torch_formula_matches_float64_where_triton_does_not_run():
-    exec(with_prelude(CHECK, "cpu", "float32", 1e-5, 1e-5, False), {})
+    check_formula_on_cpu(CHECK)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason=NO_TRITON)
+@needs_triton
 def test_kernels_match_float64_under_the_triton_interpreter():
-    assert "norm ok" in interpret(with_prelude(CHECK, "cpu", "float32", 1e-5, 1e-5, True))
+    assert "norm ok" in check_interpreted(CHECK)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 def test_kernels_match_float64_in_bf16_on_cuda():
     # bf16 outputs and gradients rounded as autograd rounds the unfused formula's steps
     # (<= a few 2^-9 relative) against float64 on the same bf16 inputs
-    assert "norm ok" in run_script(with_prelude(CHECK, "cuda", "bfloat16", 3e-2, 5e-2, True))
+    assert "norm ok" in check_cuda_bf16(CHECK)

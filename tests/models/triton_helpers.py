@@ -8,8 +8,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 NO_TRITON = "Triton is not installed (CPU builds of torch)"
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=NO_TRITON)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def run_script(script: str, **env: str) -> str:
@@ -40,6 +45,21 @@ def with_prelude(
     """`check` with `prelude(...)` right after its `import torch`."""
     lines = prelude(device, dtype, atol, model_tol, kernel)
     return check.replace("import torch\n", "import torch\n" + lines, 1)
+
+
+def check_formula_on_cpu(check: str) -> None:
+    """A prelude-style check (see `with_prelude`) on its torch formula, float32, in-process."""
+    exec(with_prelude(check, "cpu", "float32", 1e-5, 1e-5, False), {})
+
+
+def check_interpreted(check: str) -> str:
+    """The same check on the Triton kernels under the interpreter (float32): its stdout."""
+    return interpret(with_prelude(check, "cpu", "float32", 1e-5, 1e-5, True))
+
+
+def check_cuda_bf16(check: str) -> str:
+    """The same check compiled on a GPU in bf16 (kernel and model tolerances 3e-2, 5e-2)."""
+    return run_script(with_prelude(check, "cuda", "bfloat16", 3e-2, 5e-2, True))
 
 
 def model_parity(what: str, layers: int, switch: str) -> str:

@@ -1,6 +1,6 @@
-"""On CUDA: the trunk under CUDA graphs (trainer.compile_mode = reduce-overhead, or our own
-graphs with trainer.trunk_graphs) with bucketed packing trains like the plain compiled trunk,
-across batches of different shapes."""
+"""On CUDA: the trunk under CUDA graphs (trainer.compile_mode = reduce-overhead, also with
+the h200 profile's inductor options, or our own graphs with trainer.trunk_graphs) with
+bucketed packing trains like the plain compiled trunk, across batches of different shapes."""
 
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
     ]
     runs: dict[str, dict[str, torch.Tensor]] = {}
     results: dict[str, list[dict[str, float]]] = {}
+    options = {"triton.mix_order_reduction": False, "triton.enable_pdl": True}
     for run, mode, bucket in (
         ("default", "default", 0),
         ("reduce-overhead", "reduce-overhead", 64),
+        ("options", "reduce-overhead", 64),
         ("trunk_graphs", "default", 64),
     ):
         model = CausalLM(config)
@@ -61,6 +63,7 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
             compile_mode=mode,
             pack_bucket_tokens=bucket,
             trunk_graphs=run == "trunk_graphs",
+            compile_options=options if run == "options" else {},
         )
         trainer = PolicyTrainer(model, cfg, AlgorithmConfig(advantage_estimator="grpo"))
         counters.clear()
@@ -75,7 +78,8 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
         results[run] = metrics
     plain_m = results["default"]
     plain = runs["default"]
-    for graphed_m in (results["reduce-overhead"], results["trunk_graphs"]):
+    graphed_runs = ("reduce-overhead", "options", "trunk_graphs")
+    for graphed_m in (results[run] for run in graphed_runs):
         for a, b in zip(plain_m, graphed_m, strict=True):
             assert b["actor/skipped_updates"] == 0
             pg = a["actor/pg_loss"]
@@ -87,7 +91,7 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
     moved = {
         run: torch.cat([(p[k] - start[k]).flatten() for k in plain]) for run, p in runs.items()
     }
-    for graphed in ("reduce-overhead", "trunk_graphs"):
+    for graphed in graphed_runs:
         agree = (torch.sign(moved["default"]) == torch.sign(moved[graphed])).float().mean()
         assert agree > 0.95, (graphed, float(agree))
     assert moved["default"].abs().mean() > 1e-4  # the runs did train (lr 1e-3, 3 steps)

@@ -277,3 +277,23 @@ def test_compile_modes_and_which_replay_cuda_graphs():
         assert CONFIG.replace(compile=True, compile_mode=mode).cuda_graphs == graphs
     with pytest.raises(ConfigError, match="max-autotune"):
         CONFIG.replace(compile_mode="fastest")
+
+
+def test_compile_options_join_the_mode_and_bad_ones_fail_when_the_config_is_built():
+    assert CONFIG.replace(compile_mode="reduce-overhead").compile_kwargs() == {
+        "mode": "reduce-overhead"
+    }
+    options = {"triton.mix_order_reduction": False, "triton.enable_pdl": True}
+    kwargs = CONFIG.replace(
+        compile_mode="reduce-overhead", compile_options=options
+    ).compile_kwargs()
+    # torch.compile takes a mode or options: the mode's own options come along
+    assert kwargs == {"options": {"triton.cudagraphs": True, **options}}
+    assert CONFIG.replace(compile_options=options).compile_kwargs() == {"options": options}
+    with pytest.raises(ConfigError, match=r"'triton\.mix_order' is not an inductor option"):
+        CONFIG.replace(compile_options={"triton.mix_order": False})
+    with pytest.raises(ConfigError, match=r"triton\.enable_pdl takes a bool"):
+        CONFIG.replace(compile_options={"triton.enable_pdl": "yes"})
+    # from a profile table, as TOML gives it
+    config = TrainerConfig.from_mapping({"compile": True, "compile_options": options})
+    assert config.compile_options == options

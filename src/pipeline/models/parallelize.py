@@ -8,6 +8,9 @@ e.g., `model.token_logprobs(...)` unshards the root parameters exactly like `mod
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -32,13 +35,15 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    compile_options: Mapping[str, Any] | None = None,
     reshard_after_forward: bool = True,
 ) -> DecoderBase:
     """Shard `model` in place with fully_shard and return it.
 
     mesh None lets FSDP build a 1-D mesh over the default process group. Blocks reshard
     after forward (ZeRO-3); the root does not, since its parameters (embeddings, lm_head)
-    are needed again right at the start of backward.
+    are needed again right at the start of backward. `compile_options`: inductor options
+    of each block's compilation.
     """
     if mesh is not None and mesh.ndim != 1:
         raise ConfigError(f"parallelize expects a 1-D data-parallel mesh, got {mesh.ndim}-D")
@@ -47,7 +52,7 @@ def parallelize(
     for block in layers:
         block.activation_checkpointing = activation_checkpointing
         if compile:
-            block.compile()
+            block.compile(options=dict(compile_options) if compile_options else None)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     for name in FSDP_METHODS:

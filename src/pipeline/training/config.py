@@ -76,6 +76,11 @@ class TrainerConfig:
     # graphs, and inductor benchmarks Triton GEMM templates against cuBLAS per shape at
     # compile time: minutes more of compilation)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    # inductor options of that compilation on top of the mode's, e.g.
+    # {"triton.mix_order_reduction" = false, "triton.enable_pdl" = true}: names and types
+    # as in torch._inductor.config (checked when the config is built); the sharded trainer
+    # compiles each block with them
+    compile_options: dict[str, bool | int | float | str] = dataclasses.field(default_factory=dict)
     # a single CUDA process: the packed training forward and backward of the trunk replayed
     # from CUDA graphs captured per bucketed shape (training/trunk_graphs.py): none of the
     # compiled trunk's per-call host work over its parameter inputs. Needs padding_free,
@@ -163,6 +168,8 @@ class TrainerConfig:
                 f"set {_SECTION}.compile_mode to default, reduce-overhead or max-autotune "
                 f"(got {self.compile_mode!r})"
             )
+        if self.compile_options:
+            _check_inductor_options(self.compile_options)
         if self.trunk_graphs:
             self._validate_trunk_graphs()
         if self.peak_flops < 0:
@@ -179,6 +186,16 @@ class TrainerConfig:
                 f"{_SECTION}.trunk_graphs replays packed micro-batches of bucketed shapes: set "
                 f"{_SECTION}.padding_free = true and {_SECTION}.pack_bucket_tokens >= 1"
             )
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `Module.compile` for the trunk: the mode alone, or with
+        `compile_options` the mode's inductor options and these (torch takes one or the
+        other)."""
+        if not self.compile_options:
+            return {"mode": self.compile_mode}
+        from torch._inductor import list_mode_options
+
+        return {"options": {**list_mode_options(self.compile_mode), **self.compile_options}}
 
     @property
     def cuda_graphs(self) -> bool:
@@ -210,3 +227,23 @@ class TrainerConfig:
         import torch
 
         return getattr(torch, _DTYPES[self.reduce_dtype])
+
+
+def _check_inductor_options(options: Mapping[str, Any]) -> None:
+    """Each key an inductor config name, each value of its type (what torch.compile would
+    raise only at the first call of the compiled module, minutes into a run)."""
+    from torch._inductor import config as inductor
+
+    known = inductor.get_config_copy()
+    for key, value in options.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(
+                f"{_SECTION}.compile_options: {key!r} is not an inductor option "
+                "(see torch._inductor.config, e.g. triton.mix_order_reduction)"
+            )
+        kind = type(known[name])
+        if known[name] is not None and not isinstance(value, kind):
+            raise ConfigError(
+                f"{_SECTION}.compile_options.{key} takes a {kind.__name__} (got {value!r})"
+            )

@@ -105,12 +105,13 @@ def place_model(
             reduce_dtype=config.reduce_torch_dtype,
             activation_checkpointing=config.activation_checkpointing and trainable,
             compile=config.compile,
+            compile_options=config.compile_options,
         )
     else:
         for block in model.model.layers:
             block.activation_checkpointing = config.activation_checkpointing and trainable  # type: ignore[union-attr]
         if config.compile:  # one compiled region for the whole trunk: less host overhead
-            model.model.compile(mode=config.compile_mode)
+            model.model.compile(**config.compile_kwargs())
         if config.trunk_graphs and trainable and info.device.type == "cuda":
             from pipeline.training.trunk_graphs import TrunkGraphs
 

@@ -1,5 +1,6 @@
-"""The one-read Triton statistics kernel (models/logit_stats.py) against float64, and the
-fused log-prob function running it: under Triton's interpreter on CPU, compiled on a GPU."""
+"""The Triton log-prob kernels (models/logit_stats.py: one-read statistics, the gradient)
+against float64, and the fused log-prob function running them: under Triton's interpreter
+on CPU, compiled on a GPU."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from .triton_helpers import HAS_TRITON, NO_TRITON, interpret, run_script
 
 CHECK = """
 import torch
-from pipeline.models.logit_stats import BLOCK, logit_stats, stats_kernel_supported
-from pipeline.models.logprobs import _logit_stats, chunked_token_logprobs
+from pipeline.models.logit_stats import BLOCK, logit_grad, logit_stats, stats_kernel_supported
+from pipeline.models.logprobs import _logit_grad, _logit_stats, chunked_token_logprobs
 
 def reference(logits, targets, temperature):
     z = logits.double() / temperature
@@ -40,6 +41,28 @@ for temperature in (1.0, 0.7):
     torch_version = _logit_stats(logits, targets, temperature, True)
     for a, b in zip(got, torch_version):
         assert (a - b).abs().max().item() < ATOL
+
+    # the gradient kernel: d(sum g_logp * logp + g_ent * H)/d(logits) by float64 autograd
+    g_logp = torch.randn(6, generator=g).to(DEVICE)
+    g_ent = torch.randn(6, generator=g).to(DEVICE)
+    x = logits.cpu().double().requires_grad_()
+    logq = (x / temperature).log_softmax(-1)
+    logp = logq.gather(-1, targets.cpu()[:, None]).squeeze(-1)
+    ent = -(logq.exp() * logq).sum(-1)
+    (logp * g_logp.cpu().double() + ent * g_ent.cpu().double()).sum().backward()
+    _, lse, ent = got
+    grad = logit_grad(logits, targets, lse, g_logp, g_ent, ent, temperature)
+    assert grad.dtype == logits.dtype and grad.shape == logits.shape
+    scale = max(1.0, x.grad.abs().max().item())
+    err = (grad.cpu().double() - x.grad).abs().max().item() / scale
+    assert err < GRAD_TOL, ("grad", temperature, err)
+    torch_grad = _logit_grad(logits, targets, lse, g_logp, g_ent, ent, temperature)
+    assert (grad.float() - torch_grad.float()).abs().max().item() / scale < GRAD_TOL
+    # a sum's gradient as autograd hands it: one value expanded over the rows (stride 0)
+    ones = torch.ones((), device=DEVICE).expand(6)
+    grad = logit_grad(logits, targets, lse, ones, g_ent, ent, temperature)
+    torch_grad = _logit_grad(logits, targets, lse, ones, g_ent, ent, temperature)
+    assert (grad.float() - torch_grad.float()).abs().max().item() / scale < GRAD_TOL
 
 # the fused log-prob function with the kernel inside: the same values and gradients as with
 # the torch statistics pass (same GEMMs, same gradient pass: only the statistics differ)

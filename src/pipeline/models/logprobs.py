@@ -13,9 +13,9 @@ Where memory allows (`keep_logits`), the forward computes all logits in one GEMM
 them (compute dtype) for the backward, which then runs one elementwise pass and two GEMMs
 over all tokens: no recompute. Otherwise no (tokens, vocab) tensor outlives its chunk.
 Either way nothing like autograd's gather/softmax backward over the whole vocabulary runs.
-On CUDA the statistics pass is one Triton kernel that reads the logits once
-(models/logit_stats.py) and the gradient pass is compiled with torch.compile into one kernel
-(each falling back to eager torch if it fails); on CPU both run eagerly.
+On CUDA both passes are Triton kernels (models/logit_stats.py: the statistics in one read,
+the gradient on a (row, vocabulary block) grid), each falling back to its torch version
+compiled by torch.compile, then eager, if it fails; on CPU the torch versions run eagerly.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
-from pipeline.models.logit_stats import logit_stats, stats_kernel_supported
+from pipeline.models.logit_stats import logit_grad, logit_stats, stats_kernel_supported
 
 
 def _logit_stats(
@@ -75,8 +75,8 @@ def _logit_grad(
 
 
 class _Kernels:
-    """The elementwise passes: compiled once per process on CUDA; the statistics pass by the
-    one-read Triton kernel (models.logit_stats) where it runs."""
+    """The elementwise passes: the Triton kernels (models.logit_stats) where they run, else
+    their torch versions, compiled once per process on CUDA."""
 
     def __init__(self) -> None:
         self._compiled: dict[str, Callable[..., Any]] | None = None
@@ -85,20 +85,19 @@ class _Kernels:
 
     def get(self, name: str, device: torch.device) -> Callable[..., Any]:
         torch_pass = self._torch_pass(name, device)
-        if name != "stats":
-            return torch_pass
+        kernel = {"stats": logit_stats, "grad": logit_grad}[name]
 
-        def stats(logits: Tensor, *args: Any) -> Any:
+        def run(logits: Tensor, *args: Any) -> Any:
             if self._triton_failed or not stats_kernel_supported(logits):
                 return torch_pass(logits, *args)
             try:
-                return logit_stats(logits, *args)
+                return kernel(logits, *args)
             except Exception as exc:
                 self._triton_failed = True
-                _warn_fallback("the Triton log-prob statistics kernel", exc)
+                _warn_fallback("the Triton log-prob kernels", exc)
                 return torch_pass(logits, *args)
 
-        return stats
+        return run
 
     def _torch_pass(self, name: str, device: torch.device) -> Callable[..., Any]:
         eager = {"stats": _logit_stats, "grad": _logit_grad}[name]

@@ -11,7 +11,7 @@ from .triton_helpers import HAS_TRITON, NO_TRITON, interpret, run_script
 
 CHECK = """
 import torch
-from pipeline.models.logit_stats import BLOCK, logit_grad, logit_stats, stats_kernel_supported
+from pipeline.models.logit_stats import BLOCK, logit_grad, logit_stats, kernels_supported
 from pipeline.models.logprobs import _logit_grad, _logit_stats, chunked_token_logprobs
 
 def reference(logits, targets, temperature):
@@ -28,7 +28,7 @@ logits[1] += torch.linspace(0, 40, vocab).to(DEVICE, DTYPE)
 logits[2, 5] = 60
 targets = torch.randint(0, vocab, (6,), generator=g).to(DEVICE)
 targets[2] = 5
-assert stats_kernel_supported(logits)
+assert kernels_supported(logits)
 for temperature in (1.0, 0.7):
     want = reference(logits.cpu(), targets.cpu(), temperature)
     got = logit_stats(logits, targets, temperature, True)

@@ -33,7 +33,7 @@ BLOCK = 4096  # vocabulary entries per inner step of the statistics kernel
 GRAD_BLOCK = 4096  # vocabulary entries per program of the gradient kernel
 
 
-def stats_kernel_supported(logits: torch.Tensor) -> bool:
+def kernels_supported(logits: torch.Tensor) -> bool:
     """Triton present and CUDA half precision with unit stride over the vocabulary (or the
     Triton interpreter, for tests)."""
     if triton is None or logits.dim() != 2 or logits.stride(-1) != 1:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
-from pipeline.models.logit_stats import logit_grad, logit_stats, stats_kernel_supported
+from pipeline.models.logit_stats import kernels_supported, logit_grad, logit_stats
 
 
 def _logit_stats(
@@ -88,7 +88,7 @@ class _Kernels:
         kernel = {"stats": logit_stats, "grad": logit_grad}[name]
 
         def run(logits: Tensor, *args: Any) -> Any:
-            if self._triton_failed or not stats_kernel_supported(logits):
+            if self._triton_failed or not kernels_supported(logits):
                 return torch_pass(logits, *args)
             try:
                 return kernel(logits, *args)

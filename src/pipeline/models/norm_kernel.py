@@ -2,10 +2,12 @@
 
 A pre-norm block adds each sublayer's output to the residual stream and normalises the sum
 for the next sublayer. Compiled by inductor, the forward of that pair is one kernel at
-bandwidth, but its backward is three: the input gradient with the residual gradient added
-(~24 us per norm of a 0.5B learner step on an H200), the weight's gradient as a separate
-ATen column reduction over a float32 product (~11.5 us) and a cast (~1 us), 49 times a step.
-Here:
+bandwidth, but its backward is three: by default (inductor's "mix-order reduction") one
+Triton kernel for the input gradient with the residual gradient added and 512 partial rows
+of the weight's gradient (~24 us per norm of a 0.5B learner step on an H200), then an ATen
+sum of those rows (~11.5 us) and a cast (~1 us), 49 times a step; with that reduction off
+(`trainer.compile_options`, as the H200 profile sets it) the weight's gradient is two
+Triton reductions of their own. Here:
 
   forward   s = x + delta (the residual stream, rounded to the compute dtype) and
             y = weight * round(s * rstd), rstd = 1 / sqrt(mean(s^2) + eps) in float32;

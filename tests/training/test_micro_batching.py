@@ -3,6 +3,7 @@ per-sequence forwards, and gradients independent of how a batch is split."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,28 @@ def test_uniform_rows_attention_trains_like_varlen_packing(
     assert grads[True].keys() == grads[False].keys()
     for name, grad in grads[True].items():
         torch.testing.assert_close(grad, grads[False][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_packer_lays_the_device_fields_out_in_one_buffer_that_moves_them_all():
+    """pack_padding_free puts every input and layout field in one int64 buffer, in
+    _DEVICE_FIELDS order at 16-byte boundaries; a copy of the buffer carries them all, and a
+    field replaced since packing sends the micro-batch back to one copy per dtype."""
+    mb = pack_padding_free(make_batch(seed=3, n=4), [0, 2, 3], bucket=64)
+    assert mb.buffer is not None and mb.buffer.dtype == torch.long
+    fields = [k for k in _DEVICE_FIELDS if getattr(mb, k) is not None]
+    offsets = [getattr(mb, k).storage_offset() for k in fields]
+    assert offsets == sorted(offsets) and all(o % 2 == 0 for o in offsets)
+    storage = mb.buffer.untyped_storage().data_ptr()
+    assert all(getattr(mb, k).untyped_storage().data_ptr() == storage for k in fields)
+    copy = mb.on_copy(mb.buffer.clone())
+    assert copy.buffer is not None and copy.buffer.data_ptr() != mb.buffer.data_ptr()
+    for k in fields:
+        got, want = getattr(copy, k), getattr(mb, k)
+        assert torch.equal(got, want) and got.shape == want.shape, k
+        assert got.untyped_storage().data_ptr() == copy.buffer.untyped_storage().data_ptr(), k
+    meta = torch.device("meta")
+    moved = mb.to(meta)
+    assert moved.buffer is not None and moved.buffer.device == meta
+    assert all(getattr(moved, k).device == meta for k in fields)
+    replaced = dataclasses.replace(mb, input_ids=mb.input_ids.clone()).to(meta)
+    assert replaced.buffer is None and replaced.input_ids.device == meta

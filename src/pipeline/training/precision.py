@@ -6,14 +6,9 @@ of the trunk (RoPE, norms, residuals) ran in float32 and attention fell back fro
 varlen to a dense masked kernel. `ComputeWeights` gives a single process what FSDP gives a
 sharded one:
 
-  * inside `with compute_weights():` every parameter of the module is a bfloat16 (or
-    float16) compute parameter whose storage is a copy of its float32 master, refreshed on
-    entry by one foreach copy, so the whole forward and backward run in the compute dtype.
-    Entry and exit swap parameter objects in the modules' parameter dicts (~290 dict
-    stores on a 0.5B model) rather than each master's `.data` (a checked C++ setter each:
-    ~0.3 ms of host time at the start of every step on an H200 host, with the device
-    idle). A reference taken to a parameter before entry stays the float32 master; its
-    requires_grad and gradient hooks carry over to its compute parameter;
+  * inside `with compute_weights():` every parameter's `.data` is a bfloat16 (or float16)
+    copy of its float32 master, refreshed on entry by one foreach copy, so the whole
+    forward and backward run in the compute dtype;
   * a backward leaves low-precision gradients in `.grad`; `flush()` (called after each
     micro-batch's backward, and on exit) adds them into float32 accumulators with one
     foreach op, so micro-batches add up in float32. One foreach call per micro-batch
@@ -95,19 +90,6 @@ class ComputeWeights:
             self._buffers = [None] * len(self.params)
             self._master_views = None
             self._master_ptrs = []
-        # the compute parameters: the low-precision copies, one per master, and every
-        # (module parameter dict, name, index) slot that holds a master (a tied one twice)
-        self._compute = [
-            nn.Parameter(low, requires_grad=p.requires_grad)
-            for p, low in zip(self.params, self._low, strict=True)
-        ]
-        index = {id(p): i for i, p in enumerate(self.params)}
-        self._slots = [
-            (module._parameters, name, index[id(p)])
-            for _, module in model.named_modules(remove_duplicate=False)
-            for name, p in module._parameters.items()
-            if p is not None and id(p) in index
-        ]
         self.active = False
         # set by `prepare`: the copies were refreshed from these masters for the next entry
         self._prepared: list[Tensor] | None = None
@@ -120,13 +102,13 @@ class ComputeWeights:
         accumulators: one foreach copy for parameters seen for the first time, one foreach
         add for the rest. Under `defer`, the first backward's gradients instead stay as they
         are, pending (see `pending_grads`), until a second backward or `materialize`."""
-        if not self.active or all(p.grad is None for p in self._compute):
+        if not self.active or all(p.grad is None for p in self.params):
             return  # nothing since the last flush (pending gradients stay pending)
         self.materialize()
         if self._defer and self._stash():
             return
         new_i, new_src, add_dst, add_src = [], [], [], []
-        for i, p in enumerate(self._compute):
+        for i, p in enumerate(self.params):
             g = p.grad
             if g is None:
                 continue
@@ -148,7 +130,7 @@ class ComputeWeights:
 
     def _stash(self) -> bool:
         """Keep the gradients of a first backward that covered every parameter pending."""
-        grads = [p.grad for p in self._compute]
+        grads = [p.grad for p in self.params]
         fresh = all(acc is None for acc in self._grads)
         if (
             not fresh
@@ -157,7 +139,7 @@ class ComputeWeights:
         ):
             return False
         self._pending = grads  # type: ignore[assignment]
-        for p in self._compute:
+        for p in self.params:
             p.grad = None
         return True
 
@@ -249,14 +231,11 @@ class ComputeWeights:
             masters = self._masters()
             self._refresh(masters)
         self.discard()
-        for i, (p, low) in enumerate(zip(self.params, self._compute, strict=True)):
+        for i, (p, low) in enumerate(zip(self.params, self._low, strict=True)):
             grad = p.grad  # float32 gradients so far keep adding up
             if grad is not None:  # (none after zero_grad: the accumulator is None already)
                 self._grads[i], p.grad = grad, None
-            if low.requires_grad != p.requires_grad:  # frozen or thawed since the last entry
-                low.requires_grad_(p.requires_grad)
-            _share_hooks(p, low)
-        self._swap(self._compute)
+            p.data = low
         self.active = True
         self._defer = defer
         try:
@@ -268,26 +247,8 @@ class ComputeWeights:
         finally:
             self.active = False
             self._defer = False
-            self._swap(self.params)
             pending = self._pending is not None
-            for i, (p, low) in enumerate(zip(self.params, self._compute, strict=True)):
-                low.grad = None  # flushed gradients are in the accumulators; an exception
-                # drops unflushed ones
+            for i, (p, master) in enumerate(zip(self.params, masters, strict=True)):
+                p.grad = None  # flushed gradients are in the accumulators; an exception
+                p.data = master  # drops unflushed ones
                 p.grad, self._grads[i] = self._buffer(i) if pending else self._grads[i], None
-
-    def _swap(self, params: list[nn.Parameter]) -> None:
-        """Put `params` (the masters or the compute parameters) in every slot of the module."""
-        for slots, name, i in self._slots:
-            slots[name] = params[i]
-
-
-def _share_hooks(master: Tensor, compute: Tensor) -> None:
-    """Gradient hooks registered on a master (`register_hook`, post-accumulate ones) act on
-    its compute parameter, which is what the backward reaches: the compute parameter takes
-    the master's hook dicts themselves, so hooks added or removed later apply to both."""
-    hooks = master._backward_hooks
-    if hooks is not None and compute._backward_hooks is not hooks:
-        compute._backward_hooks = hooks
-    post = master._post_accumulate_grad_hooks
-    if post is not None and compute._post_accumulate_grad_hooks is not post:
-        compute._post_accumulate_grad_hooks = post

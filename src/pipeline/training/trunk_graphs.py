@@ -18,10 +18,9 @@ pairs share one memory pool, which is safe because the learner replays them stri
 forward then backward of one micro-batch, and every output a later replay could overwrite
 (the hidden states, the parameters' gradients) is consumed first: `TrainEngine.begin_forward`
 moves pending gradients to float32 before each forward. The parameters must keep the
-addresses they had at capture (the compute parameters of `ComputeWeights`, views of one
-fixed buffer); a call that finds other parameters in the trunk (the float32 masters outside
-the compute region) or these elsewhere, or without gradients, or anywhere but CUDA, runs
-the trunk as it is (`None` back to the caller).
+addresses they had at capture (the compute copies of `ComputeWeights`, one fixed buffer);
+a call that finds them elsewhere, or without gradients, or anywhere but CUDA, runs the
+trunk as it is (`None` back to the caller).
 
 Known: the parameters' gradient accumulators are created during the capture, on the side
 stream make_graphed_callables captures on, and live on with the captured autograd graph;
@@ -68,8 +67,8 @@ class TrunkGraphs:
     def __init__(self, trunk: nn.Module, *, max_graphs: int = 16) -> None:
         self.trunk = trunk
         self.max_graphs = max_graphs
-        # per shape: the graphed trunk, the parameters it captured and their addresses
-        self._graphs: dict[tuple[Any, ...], tuple[nn.Module, list[Tensor], list[int]]] = {}
+        self.params = list(trunk.parameters())
+        self._graphs: dict[tuple[Any, ...], tuple[nn.Module, list[int]]] = {}
         self._pool: Any = None
         self._full_warned = False
         self.replays = 0  # graphed calls
@@ -92,8 +91,13 @@ class TrunkGraphs:
             or torch.cuda.is_current_stream_capturing()
         ):
             return None
-        first = next(self.trunk.parameters())
-        key = (tuple(input_ids.shape), cu.numel(), spec.max_seqlen, spec.grouped, first.dtype)
+        key = (
+            tuple(input_ids.shape),
+            cu.numel(),
+            spec.max_seqlen,
+            spec.grouped,
+            self.params[0].dtype,
+        )
         entry = self._graphs.get(key)
         if entry is None:
             if len(self._graphs) >= self.max_graphs:
@@ -103,9 +107,8 @@ class TrunkGraphs:
                 self.fallbacks += 1
                 return None
             entry = self._capture(key, input_ids, positions, cu, spec)
-        graphed, params, addresses = entry
-        # not the parameters the graphs captured (all are swapped together), or moved
-        if first is not params[0] or not data_ptrs_equal(params, addresses):
+        graphed, addresses = entry
+        if not data_ptrs_equal(self.params, addresses):  # not the capture's compute copies
             self.fallbacks += 1
             return None
         self.replays += 1
@@ -118,7 +121,7 @@ class TrunkGraphs:
         positions: Tensor,
         cu: Tensor,
         spec: AttentionSpec,
-    ) -> tuple[nn.Module, list[Tensor], list[int]]:
+    ) -> tuple[nn.Module, list[int]]:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         module = _PackedTrunk(self.trunk, spec.max_seqlen, spec.grouped)
@@ -126,8 +129,7 @@ class TrunkGraphs:
         graphed = torch.cuda.make_graphed_callables(
             module, sample, num_warmup_iters=2, pool=self._pool
         )
-        params = list(self.trunk.parameters())
-        entry = (graphed, params, [p.data_ptr() for p in params])
+        entry = (graphed, [p.data_ptr() for p in self.params])
         self._graphs[key] = entry
         _log.info("trunk_graph_captured", shape=key[:4], graphs=len(self._graphs))
         return entry

@@ -282,3 +282,10 @@ def test_the_packer_lays_the_device_fields_out_in_one_buffer_that_moves_them_all
     assert all(getattr(moved, k).device == meta for k in fields)
     replaced = dataclasses.replace(mb, input_ids=mb.input_ids.clone()).to(meta)
     assert replaced.buffer is None and replaced.input_ids.device == meta
+    # the trunk's inputs sit where the bucketed shapes alone put them in the buffer (a
+    # compiled trunk sees one input layout per shape), whatever the response lengths
+    a, b = (pack_padding_free(make_batch(seed=s, n=3), [0, 1, 2], bucket=64) for s in (5, 6))
+    assert a.score_index.shape != b.score_index.shape
+    for key in ("input_ids", "position_ids", "cu_seqlens"):
+        assert getattr(a, key).shape == getattr(b, key).shape, key
+        assert getattr(a, key).storage_offset() == getattr(b, key).storage_offset(), key

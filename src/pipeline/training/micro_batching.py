@@ -129,14 +129,17 @@ def _views_of(buffer: Tensor, named: dict[str, Tensor]) -> bool:
 
 
 def _one_buffer(arrays: dict[str, np.ndarray]) -> tuple[Tensor, dict[str, Tensor]]:
-    """int64 `arrays` as views of one flat tensor, in order, each at a 16-byte boundary
-    (`to_device_grouped`'s layout, filled by NumPy slice stores: a handful of microseconds
-    each where the torch ops of a regrouping cost tens)."""
-    sizes = [a.size + a.size % 2 for a in arrays.values()]
+    """int64 `arrays` (device fields by name) as views of one flat tensor, in _DEVICE_FIELDS
+    order, each at a 16-byte boundary (`to_device_grouped`'s layout), filled by NumPy slice
+    stores: a few microseconds each where the torch ops of a regrouping cost tens."""
+    ordered = [(k, arrays[k]) for k in _DEVICE_FIELDS if k in arrays]
+    if len(ordered) != len(arrays):
+        raise ValueError(f"not device fields: {sorted(set(arrays) - set(_DEVICE_FIELDS))}")
+    sizes = [a.size + a.size % 2 for _, a in ordered]
     flat = np.zeros(sum(sizes), dtype=np.int64)
     buffer = torch.from_numpy(flat)
     views, offset = {}, 0
-    for (key, array), size in zip(arrays.items(), sizes, strict=True):
+    for (key, array), size in zip(ordered, sizes, strict=True):
         flat[offset : offset + array.size] = array.reshape(-1)
         views[key] = buffer[offset : offset + array.size].view(array.shape)
         offset += size
@@ -275,7 +278,7 @@ def pack_padding_free(
         sequences = _pow2(len(offsets) - 1, 8)
         offsets.extend([offsets[-1]] * (sequences + 1 - len(offsets)))
         longest = _pow2(max(longest, pad), 128)
-    # in _DEVICE_FIELDS order, in one buffer for one copy to the device
+    # one buffer for one copy to the device
     buffer, fields = _one_buffer(
         {
             "input_ids": ids[None],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,12 @@ from pipeline.training import (
     plan_micro_batches,
     plan_step,
 )
-from pipeline.training.micro_batching import _DEVICE_FIELDS, micro_batch_weight, packed_copies
+from pipeline.training.micro_batching import (
+    _DEVICE_FIELDS,
+    _one_buffer,
+    micro_batch_weight,
+    packed_copies,
+)
 
 from ._helpers import make_batch, make_model
 
@@ -282,6 +288,8 @@ def test_the_packer_lays_the_device_fields_out_in_one_buffer_that_moves_them_all
     assert all(getattr(moved, k).device == meta for k in fields)
     replaced = dataclasses.replace(mb, input_ids=mb.input_ids.clone()).to(meta)
     assert replaced.buffer is None and replaced.input_ids.device == meta
+    with pytest.raises(ValueError, match="attention_masks"):  # not a device field
+        _one_buffer({"input_ids": np.zeros((1, 4), np.int64), "attention_masks": np.zeros(2)})
     # the trunk's inputs sit where the bucketed shapes alone put them in the buffer (a
     # compiled trunk sees one input layout per shape), whatever the response lengths
     a, b = (pack_padding_free(make_batch(seed=s, n=3), [0, 1, 2], bucket=64) for s in (5, 6))

@@ -96,12 +96,17 @@ class MicroBatch:
         """Outputs at score_index (n,) -> (m, r) response layout (padding reads entry 0)."""
         return scored[self.score_gather.to(scored.device)]
 
+    def device_fields(self) -> dict[str, Tensor]:
+        """The model inputs and output layout that go to the device, by name (absent ones
+        left out), in _DEVICE_FIELDS order."""
+        return {k: t for k in _DEVICE_FIELDS if (t := getattr(self, k)) is not None}
+
     def to(self, device: torch.device) -> MicroBatch:
         """The model inputs and output layout on `device` (sample_indices stay on the host):
         the packer's `buffer` in one copy, the fields as the same views of the copy (this
         runs while the device waits for the step's first kernel: regrouping the fields here
         took ~0.3 ms of an H200 host's time), else one copy per dtype."""
-        named = {k: t for k in _DEVICE_FIELDS if (t := getattr(self, k)) is not None}
+        named = self.device_fields()
         buffer = self.buffer
         if buffer is None or buffer.device == device or not _views_of(buffer, named):
             moved = to_device_grouped(named, device)
@@ -113,7 +118,7 @@ class MicroBatch:
         default all) as the same views of it."""
         assert self.buffer is not None, "on_copy needs a packer's buffer"
         if named is None:
-            named = {k: t for k in _DEVICE_FIELDS if (t := getattr(self, k)) is not None}
+            named = self.device_fields()
         base = self.buffer.storage_offset()
         views = {
             k: copy.as_strided(t.shape, t.stride(), t.storage_offset() - base)
@@ -135,7 +140,7 @@ def _one_buffer(arrays: dict[str, np.ndarray]) -> tuple[Tensor, dict[str, Tensor
     ordered = [(k, arrays[k]) for k in _DEVICE_FIELDS if k in arrays]
     if len(ordered) != len(arrays):
         raise ValueError(f"not device fields: {sorted(set(arrays) - set(_DEVICE_FIELDS))}")
-    sizes = [a.size + a.size % 2 for _, a in ordered]
+    sizes = [_aligned(a.size, np.dtype(np.int64).itemsize) for _, a in ordered]
     flat = np.zeros(sum(sizes), dtype=np.int64)
     buffer = torch.from_numpy(flat)
     views, offset = {}, 0
@@ -170,18 +175,23 @@ def to_device_grouped(named: dict[str, Tensor], device: torch.device) -> dict[st
     return packed_copies(named, lambda buffer: buffer.to(device, non_blocking=True))
 
 
+def _aligned(numel: int, itemsize: int) -> int:
+    """`numel` rounded up so that the next part of a shared buffer starts 16 bytes on."""
+    align = max(1, 16 // itemsize)
+    return numel + -numel % align
+
+
 def packed_copies(named: dict[str, Tensor], copy: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
     """`named` as views of `copy(buffer)`, one flat buffer per dtype (see to_device_grouped)."""
     out: dict[str, Tensor] = {}
     for dtype in dict.fromkeys(t.dtype for t in named.values()):
         keys = [k for k, t in named.items() if t.dtype == dtype]
-        align = max(1, 16 // dtype.itemsize)
         parts, spans = [], []
         for k in keys:
             flat = named[k].reshape(-1)
-            pad = -flat.numel() % align
-            parts += [flat, flat.new_zeros(pad)] if pad else [flat]
-            spans.append(flat.numel() + pad)
+            span = _aligned(flat.numel(), dtype.itemsize)
+            parts += [flat, flat.new_zeros(span - flat.numel())] if span > flat.numel() else [flat]
+            spans.append(span)
         buffer = copy(torch.cat(parts))
         for k, piece in zip(keys, buffer.split(spans), strict=True):
             out[k] = piece[: named[k].numel()].view(named[k].shape)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -84,7 +85,7 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
     figs, _ = run_bench(
         "learner_step",
         tmp_path,
-        *("--steps", "2", "--set", "pack_bucket_tokens=16", "--torch-profile"),
+        *("--steps", "2", "--windows", "2", "--set", "pack_bucket_tokens=16", "--torch-profile"),
         *("--variant", "logprob_keep_logits=true", "--variant", "no_such_knob=1"),
         *("--trace", str(tmp_path / "trace.json.gz")),
         env={"PIPELINE_GIT_SHA": "0123abc"},  # a copied tree's commit, named by the caller
@@ -94,7 +95,8 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         "trace-v1.json.gz",
         "trace.json.gz",
     ]
-    assert [f["figure"] for f in figs] == ["tokens_per_s", "tokens_per_s_vs_eager", "mfu"]
+    headline = ["tokens_per_s", "tokens_per_s_vs_eager", "mfu"]
+    assert [f["figure"] for f in figs] == [*headline, *(f"{n}_drained" for n in headline)]
     for fig in figs:
         check_common(fig, "learner_step")
         config = fig["config"]
@@ -106,8 +108,14 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         assert fig["baseline"] in ("hf_train_step_eager", "hf_train_step_compiled")
         assert fig["git"] == "0123abc"
         assert config["trainer"]["pack_bucket_tokens"] == 16  # --set reaches ours
-        assert set(config["seconds"]) == {"ours", "ours[logprob_keep_logits=true]", "hf_eager"}
-        assert len(config["seconds"]["ours"]) == 2
+        systems = {"ours", "ours[logprob_keep_logits=true]", "hf_eager"}
+        assert set(config["seconds"]) == set(config["seconds_consecutive"]) == systems
+        assert len(config["seconds"]["ours"]) == 2  # --steps drained steps
+        assert len(config["seconds_consecutive"]["ours"]) == 2  # --windows runs
+        assert config["timing"] == "consecutive" and set(config["timings"]) == {
+            "consecutive",
+            "drained",
+        }
         variants = config["variants"]
         assert variants["ours[logprob_keep_logits=true]"]["trainer"]["logprob_keep_logits"]
         assert "no_such_knob" in variants["ours[no_such_knob=1]"]["error"]  # reported, not fatal
@@ -116,7 +124,17 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         assert set(ranges) == {"train/forward", "train/backward", "train/optimizer"}
         assert all(ms > 0 for ms in ranges.values())
         assert sum(ranges.values()) <= config["profile"]["wall_ms"]
-    tps, _, mfu = figs
+    tps, _, mfu = figs[:3]
+    # the headline is the consecutive timing; the drained one follows with its own baseline
+    seconds = config["seconds_consecutive"]
+    assert tps["value"] == pytest.approx(128 / statistics.median(seconds["ours"]), rel=1e-3)
+    assert tps["baseline_value"] == pytest.approx(
+        128 / statistics.median(seconds["hf_eager"]), rel=1e-3
+    )
+    drained = figs[3]
+    assert drained["value"] == pytest.approx(
+        128 / statistics.median(config["seconds"]["ours"]), rel=1e-3
+    )
     # mfu is tokens/s in units of the peak: model FLOPs per token * tokens/s / peak, the
     # weights' 6 * params plus causal attention of the tiny shape (4 layers, 4 x 64 wide)
     config = mfu["config"]

@@ -297,3 +297,60 @@ def test_compile_options_join_the_mode_and_bad_ones_fail_when_the_config_is_buil
     # from a profile table, as TOML gives it
     config = TrainerConfig.from_mapping({"compile": True, "compile_options": options})
     assert config.compile_options == options
+
+
+def _poisoned(seed: int):
+    batch = make_batch(seed=seed)
+    adv = batch.advantages.clone()
+    adv[3, 0] = float("nan")  # a non-finite loss: the update is skipped
+    return batch.replace(advantages=adv)
+
+
+@FUSED
+def test_submitted_steps_read_late_train_like_train_step(model_dir: Path, fused: dict):
+    """Steps submitted before the previous step's metrics are read (as the bench's
+    consecutive timing and a pipelined loop run them) give the weights, counters and
+    metrics of blocking train_step calls, across a skipped update under a warmup schedule:
+    the next update must settle the skipped one before it reads the schedule's lr."""
+    config = CONFIG.replace(
+        mini_batches=1, schedule="linear", warmup_steps=3, total_steps=10, **fused
+    )
+    batches = [make_batch(seed=4), _poisoned(5), make_batch(seed=6), make_batch(seed=7)]
+    blocking = PolicyTrainer(model_dir, config, AlgorithmConfig())
+    expected = [blocking.train_step(b) for b in batches]
+    assert [m["actor/skipped_updates"] for m in expected] == [0, 1, 0, 0]
+
+    trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
+    first = trainer.submit_step(batches[0])
+    second = trainer.submit_step(batches[1])
+    got = [first.result()]
+    third = trainer.submit_step(batches[2])
+    fourth = trainer.submit_step(batches[3])
+    got += [fourth.result(), second.result(), third.result()]  # in any order
+    got = [got[0], got[2], got[3], got[1]]
+    assert fourth.done() and fourth.result() is got[3]  # read once, then kept
+    for want, have in zip(expected, got, strict=True):
+        for key, value in want.items():
+            if not key.startswith("perf/"):
+                assert have[key] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+    assert [m["actor/step"] for m in got] == [1, 2, 3, 4]
+    assert trainer.engine.optimizer_steps == blocking.engine.optimizer_steps == 3
+    assert trainer.skipped_steps == blocking.skipped_steps == 1
+    assert trainer.engine.lr == blocking.engine.lr
+    for name, value in state_of(blocking.model).items():
+        assert torch.equal(state_of(trainer.model)[name], value), name
+
+
+def test_a_checkpoint_after_an_unread_step_settles_it_first(model_dir: Path, tmp_path: Path):
+    """Saving right after submit_step (metrics never read) records the step's outcome:
+    the skipped count and the schedule a resume continues from."""
+    config = CONFIG.replace(mini_batches=1, fused_optimizer=True, schedule="linear",
+                            warmup_steps=3, total_steps=10)  # fmt: skip
+    trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
+    trainer.submit_step(make_batch(seed=4))
+    trainer.submit_step(_poisoned(5))  # skipped on the device, not yet read
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    resumed = PolicyTrainer(model_dir, config, AlgorithmConfig())
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.step == 2 and resumed.skipped_steps == 1
+    assert resumed.engine.optimizer_steps == 1 and resumed.engine.lr == trainer.engine.lr

@@ -10,13 +10,22 @@ knobs of `--profile` (on CUDA profiles/h200-single.toml), no reference model and
 and runs `train_step` on a fixed synthetic batch of `--batch` samples of `--prompt` prompt +
 `--seq - --prompt` response tokens. One step is the whole update: forward + backward +
 optimizer step over every token (with one optimizer step per update the proximal log-probs
-come from that forward, `trainer.fuse_proximal`). Each step is
-timed with the device drained before and after, after `--warmup` untimed steps; the median of
-`--steps` is reported. tokens = batch * seq per step (every token goes through backward).
+come from that forward, `trainer.fuse_proximal`). After `--warmup` untimed steps each system
+is timed two ways, in the same run:
+  consecutive  `--windows` runs of `--steps` steps back to back, the device drained only
+               before and after each run; each step is queued before the previous step's
+               metrics (ours: `submit_step(...).result()`; transformers: the loss) are read,
+               as a training loop runs them. Reported: the median over runs of the mean
+               seconds per step.
+  drained      `--steps` single steps, each with the device drained before and after (the
+               host's work before a step's first kernel is then exposed); the median.
+`--timing` picks the headline figures (default consecutive); the other timing's figures
+follow them with a `_drained` / `_consecutive` suffix. tokens = batch * seq per step (every
+token goes through backward).
 In the same run:
   baselines  a `transformers` training step on the same tokens from the same directory: bf16
              parameters, fused AdamW (CUDA), cross-entropy over all tokens; eager and under
-             `torch.compile` (CUDA only; warmed up like ours)
+             `torch.compile` (CUDA only; warmed up like ours), timed both ways
   bound      the bf16 8192^3 matmul rate measured here (fp32 1024^3 on CPU), as
              tokens/s = rate / (model FLOPs per token)
 MFU = model FLOPs per token * tokens / seconds / peak (989e12 bf16 dense on an H200; on CPU the
@@ -36,6 +45,8 @@ import math
 import os
 import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +63,7 @@ from pipeline.bench.rollout_decode import (
     matmul_rate,
     progress,
     save_random_model,
+    sync,
     timed,
 )
 
@@ -137,6 +149,28 @@ def tagged_path(path: str | None, tag: str) -> str | None:
     return f"{path[:cut]}-{tag}{path[cut:]}" if cut >= 0 else f"{path}-{tag}"
 
 
+Timings = dict[str, list[float]]  # "drained": seconds per step; "consecutive": per run
+
+
+def consecutive_steps(
+    submit: Callable[[], Any], settle: Callable[[Any], Any], device: torch.device, steps: int
+) -> float:
+    """Mean seconds per step of `steps` steps back to back: each is submitted before the
+    previous one is settled (its metrics or loss read), the device drained only before the
+    first and after the last."""
+    sync(device)
+    start = time.perf_counter()
+    pending = None
+    for _ in range(steps):
+        queued = submit()
+        if pending is not None:
+            settle(pending)
+        pending = queued
+    settle(pending)
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
 def trainer_config(
     args: argparse.Namespace, peak: float, *, kl: bool, overrides: dict[str, Any] | None = None
 ) -> Any:
@@ -162,6 +196,10 @@ def trainer_config(
     return TrainerConfig(**fields)
 
 
+def rounded(runs: Timings) -> dict[str, list[float]]:
+    return {k: [round(x, 5) for x in v] for k, v in runs.items()}
+
+
 def run_ours(
     model_dir: Path,
     experience: Any,
@@ -172,7 +210,7 @@ def run_ours(
     kl: bool,
     overrides: dict[str, Any] | None = None,
     trace: str | None = None,
-) -> tuple[list[float], dict[str, Any]]:
+) -> tuple[Timings, dict[str, Any]]:
     from pipeline.algorithms import AlgorithmConfig
     from pipeline.training import PolicyTrainer
 
@@ -188,19 +226,30 @@ def run_ours(
 
     for _ in range(args.warmup):
         metrics = step()
-    runs = []
+    runs: Timings = {"drained": [], "consecutive": []}
     for _ in range(args.steps):
         seconds, metrics = timed(step, device)
-        runs.append(seconds)
-    progress(f"ours (kl={kl}, {overrides or 'profile'}): {[round(x, 4) for x in runs]} s")
+        runs["drained"].append(seconds)
+    results: list[dict[str, float]] = []
+    for _ in range(args.windows):
+        runs["consecutive"].append(
+            consecutive_steps(
+                lambda: trainer.submit_step(experience),
+                lambda pending: results.append(pending.result()),
+                device,
+                args.steps,
+            )
+        )
+    skipped = sum(m.get("actor/skipped_updates", 0.0) for m in [metrics, *results])
+    progress(f"ours (kl={kl}, {overrides or 'profile'}): {rounded(runs)} s")
     profiled = (
         print_profile(step, device, rows=50, ranges=TRAIN_RANGES, trace=trace)
         if args.torch_profile
         else None
     )
     syncs = sync_sites(step, device) if args.sync_debug else None
-    if metrics.get("actor/skipped_updates", 0.0) > 0:
-        raise RuntimeError(f"the trainer skipped its update (non-finite loss): {metrics}")
+    if skipped > 0:
+        raise RuntimeError(f"the trainer skipped {skipped:.0f} updates (non-finite loss)")
     # the no-grad proximal forward alone: how much of a step is not forward + backward + step
     prox = [timed(lambda: trainer.compute_logprobs(experience), device)[0] for _ in range(3)]
     optimizer = optimizer_paths(trainer.engine, device)  # last: it moves the weights
@@ -237,7 +286,7 @@ def run_ours(
 
 def run_hf(
     model_dir: Path, ids: torch.Tensor, args: argparse.Namespace, device: torch.device
-) -> tuple[dict[str, list[float]], dict[str, Any]]:
+) -> tuple[dict[str, Timings], dict[str, Any]]:
     """Seconds per transformers training step, eager and (CUDA) compiled."""
     import transformers
     from transformers import AutoModelForCausalLM
@@ -253,7 +302,7 @@ def run_hf(
     systems: dict[str, Any] = {"eager": model}
     if compiled:
         systems["compiled"] = torch.compile(model)
-    out: dict[str, list[float]] = {}
+    out: dict[str, Timings] = {}
     for name, module in systems.items():
 
         def step(module: Any = module) -> torch.Tensor:
@@ -266,14 +315,22 @@ def run_hf(
         warmup = max(args.warmup, 2) if name == "compiled" else args.warmup
         for _ in range(warmup):
             step()
-        runs = []
+        runs: Timings = {"drained": [], "consecutive": []}
+        losses: list[float] = []
         for _ in range(args.steps):
             seconds, loss = timed(step, device)
-            runs.append(seconds)
-        if not torch.isfinite(loss).item():
+            runs["drained"].append(seconds)
+            losses.append(float(loss))
+        for _ in range(args.windows):  # the loss read one step late, like ours' metrics
+            runs["consecutive"].append(
+                consecutive_steps(
+                    step, lambda loss, out=losses: out.append(float(loss)), device, args.steps
+                )
+            )
+        if not all(math.isfinite(x) for x in losses):
             raise RuntimeError(f"transformers {name} step produced a non-finite loss")
         out[name] = runs
-        progress(f"hf {name}: {[round(x, 4) for x in runs]} s")
+        progress(f"hf {name}: {rounded(runs)} s")
     info = {
         "transformers": transformers.__version__,
         "hf_dtype": str(bench_dtype(device)).removeprefix("torch."),
@@ -318,7 +375,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             model_dir, experience, args, device, peak, kl=False, trace=args.trace
         )
         free_memory(device)
-        variants: dict[str, list[float]] = {}
+        variants: dict[str, Timings] = {}
         variant_info: dict[str, Any] = {}
         for i, text in enumerate(args.variant, 1):
             name = f"ours[{text}]"
@@ -341,7 +398,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 keep = ("trainer", "profile", "sync_sites")
                 variant_info[name] = {k: vinfo[k] for k in keep if k in vinfo}
             free_memory(device)
-        ours_kl: list[float] | None = None
+        ours_kl: Timings | None = None
         if args.kl:
             ours_kl, _ = run_ours(
                 model_dir,
@@ -358,18 +415,31 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     tokens = args.batch * args.seq
     n_params = ours_info["params"]
     flops_per_token = model_flops_per_token(n_params, config, args.seq)
+    systems: dict[str, Timings] = {
+        "ours": ours,
+        **variants,
+        **({"ours_kl": ours_kl} if ours_kl else {}),
+        **{f"hf_{k}": v for k, v in hf.items()},
+    }
+    other = "drained" if args.timing == "consecutive" else "consecutive"
 
-    def tps(runs: list[float]) -> float:
-        return tokens / statistics.median(runs)
+    def tps(name: str, timing: str = args.timing) -> float:
+        return tokens / statistics.median(systems[name][timing])
 
-    def mfu(runs: list[float], per_token: float = flops_per_token) -> float:
-        return per_token * tps(runs) / peak
+    def mfu(name: str, timing: str = args.timing, per_token: float = flops_per_token) -> float:
+        return per_token * tps(name, timing) / peak
 
-    base_name, base_runs = (
-        ("hf_train_step_compiled", hf["compiled"])
-        if hf_info["hf_compiled"]
-        else ("hf_train_step_eager", hf["eager"])
-    )
+    base = "hf_compiled" if hf_info["hf_compiled"] else "hf_eager"
+    per_system = {
+        timing: {
+            "tokens_per_s": {k: round(tps(k, timing), 1) for k in systems},
+            "mfu": {k: round(mfu(k, timing), 4) for k in systems if k != "ours_kl"},
+            "mfu_6n": {
+                k: round(mfu(k, timing, 6 * n_params), 4) for k in systems if k != "ours_kl"
+            },
+        }
+        for timing in ("consecutive", "drained")
+    }
     cfg: dict[str, Any] = {
         "shape": args.shape,
         "params": n_params,
@@ -380,30 +450,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "tokens_per_step": tokens,
         "warmup": args.warmup,
         "steps": args.steps,
+        "windows": args.windows,
         "torch_threads": torch.get_num_threads(),  # the host's CPU ops (--threads)
-        "timing": "median wall seconds of one train_step / training step, device drained",
-        "seconds": {
-            "ours": [round(s, 5) for s in ours],
-            **{k: [round(s, 5) for s in v] for k, v in variants.items()},
-            **({"ours_kl": [round(s, 5) for s in ours_kl]} if ours_kl else {}),
-            **{f"hf_{k}": [round(s, 5) for s in v] for k, v in hf.items()},
+        "timing": args.timing,
+        "timings": {
+            "consecutive": f"median over {args.windows} runs of the mean wall seconds per step "
+            f"of {args.steps} steps back to back (each queued before the previous one's "
+            "metrics or loss are read), device drained before and after each run",
+            "drained": "median wall seconds of one train_step / training step, device "
+            "drained before and after it",
         },
-        "tokens_per_s": {
-            "ours": round(tps(ours), 1),
-            **{k: round(tps(v), 1) for k, v in variants.items()},
-            **({"ours_kl": round(tps(ours_kl), 1)} if ours_kl else {}),
-            **{f"hf_{k}": round(tps(v), 1) for k, v in hf.items()},
-        },
-        "mfu": {
-            "ours": round(mfu(ours), 4),
-            **{k: round(mfu(v), 4) for k, v in variants.items()},
-            **{f"hf_{k}": round(mfu(v), 4) for k, v in hf.items()},
-        },
-        "mfu_6n": {
-            "ours": round(mfu(ours, 6 * n_params), 4),
-            **{k: round(mfu(v, 6 * n_params), 4) for k, v in variants.items()},
-            **{f"hf_{k}": round(mfu(v, 6 * n_params), 4) for k, v in hf.items()},
-        },
+        "seconds": {k: v["drained"] for k, v in rounded_all(systems).items()},
+        "seconds_consecutive": {k: v["consecutive"] for k, v in rounded_all(systems).items()},
+        **per_system[args.timing],
+        **{f"{k}_{other}": v for k, v in per_system[other].items()},
         "mfu_formula": "(6 * params + 6 * layers * heads * head_dim * seq) * batch * seq "
         "/ seconds / peak_flops (causal attention counted; mfu_6n: 6 * params only)",
         "flops_per_token": flops_per_token,
@@ -419,52 +479,62 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         **hf_info,
     }
     bound_tps = rate / flops_per_token
-    figures = [
-        figure(
+
+    def fig(name: str, value: float, baseline: str, baseline_value: float, bound: float) -> Any:
+        return figure(
             BENCH,
-            "tokens_per_s",
-            tps(ours),
-            baseline=base_name,
-            baseline_value=tps(base_runs),
-            bound=bound_tps,
+            name,
+            value,
+            baseline=baseline,
+            baseline_value=baseline_value,
+            bound=bound,
             config=cfg,
             device=label,
-        ),
-        figure(
-            BENCH,
-            "tokens_per_s_vs_eager",
-            tps(ours),
-            baseline="hf_train_step_eager",
-            baseline_value=tps(hf["eager"]),
-            bound=bound_tps,
-            config=cfg,
-            device=label,
-        ),
-        figure(
-            BENCH,
-            "mfu",
-            mfu(ours),
-            baseline=base_name,
-            baseline_value=mfu(base_runs),
-            bound=rate / peak,
-            config=cfg,
-            device=label,
-        ),
-    ]
+        )
+
+    figures = []
+    for timing, suffix in ((args.timing, ""), (other, f"_{other}")):
+        figures += [
+            fig(
+                f"tokens_per_s{suffix}",
+                tps("ours", timing),
+                f"hf_train_step_{base[3:]}",
+                tps(base, timing),
+                bound_tps,
+            ),
+            fig(
+                f"tokens_per_s_vs_eager{suffix}",
+                tps("ours", timing),
+                "hf_train_step_eager",
+                tps("hf_eager", timing),
+                bound_tps,
+            ),
+            fig(
+                f"mfu{suffix}",
+                mfu("ours", timing),
+                f"hf_train_step_{base[3:]}",
+                mfu(base, timing),
+                rate / peak,
+            ),
+        ]
     if ours_kl:
         figures.append(
             figure(
                 BENCH,
                 "tokens_per_s_kl",
-                tps(ours_kl),
-                baseline=base_name,
-                baseline_value=tps(base_runs),
+                tps("ours_kl"),
+                baseline=f"hf_train_step_{base[3:]}",
+                baseline_value=tps(base),
                 bound=bound_tps,
                 config={**cfg, "variant": "reference model kept, k3 KL loss"},
                 device=label,
             )
         )
     return figures
+
+
+def rounded_all(systems: dict[str, Timings]) -> dict[str, dict[str, list[float]]]:
+    return {name: rounded(runs) for name, runs in systems.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -476,7 +546,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default seq/4)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per timing run")
+    ap.add_argument(
+        "--windows", type=int, default=3, help="runs of --steps consecutive steps (median)"
+    )
+    ap.add_argument(
+        "--timing",
+        choices=["consecutive", "drained"],
+        default="consecutive",
+        help="which timing the headline figures use (both are measured and reported)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator")
@@ -531,8 +610,16 @@ def main(argv: list[str] | None = None) -> None:
             setattr(args, key, value)
     if args.prompt is None:
         args.prompt = args.seq // 4
-    if not 1 <= args.prompt < args.seq or args.batch < 1 or args.steps < 1 or args.warmup < 0:
-        raise SystemExit("need 1 <= --prompt < --seq, --batch >= 1, --steps >= 1, --warmup >= 0")
+    if (
+        not 1 <= args.prompt < args.seq
+        or args.batch < 1
+        or args.steps < 1
+        or args.warmup < 0
+        or args.windows < 1
+    ):
+        raise SystemExit(
+            "need 1 <= --prompt < --seq, --batch >= 1, --steps >= 1, --windows >= 1, --warmup >= 0"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("PIPELINE_LOG_LEVEL", "warning")
@@ -543,8 +630,12 @@ def main(argv: list[str] | None = None) -> None:
         f"seq={args.seq} (prompt {args.prompt}) params={c['params'] / 1e6:.1f}M "
         f"matmul={c['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s peak={c['peak_flops'] / 1e12:.2f}"
     )
-    print("  tokens/s " + "  ".join(f"{k} {v:.1f}" for k, v in c["tokens_per_s"].items()))
-    print("  mfu      " + "  ".join(f"{k} {v:.4f}" for k, v in c["mfu"].items()))
+    other = "drained" if c["timing"] == "consecutive" else "consecutive"
+    for label, suffix in ((c["timing"], ""), (other, f"_{other}")):
+        tps, mfu = c[f"tokens_per_s{suffix}"], c[f"mfu{suffix}"]
+        print(f"  {label}:")
+        print("    tokens/s " + "  ".join(f"{k} {v:.1f}" for k, v in tps.items()))
+        print("    mfu      " + "  ".join(f"{k} {v:.4f}" for k, v in mfu.items()))
     print(table(figs))
     emit(figs, args.json)
 

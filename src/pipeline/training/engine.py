@@ -32,7 +32,7 @@ from pipeline.training.distributed import (
 )
 from pipeline.training.export import export_hf
 from pipeline.training.flat_adamw import FlatAdamW
-from pipeline.training.metrics import MetricSums
+from pipeline.training.metrics import MetricSums, split_values
 from pipeline.training.micro_batching import MicroBatch, plan_step
 from pipeline.training.optim import (
     build_optimizer,
@@ -42,6 +42,7 @@ from pipeline.training.optim import (
     is_fused,
 )
 from pipeline.training.precision import ComputeWeights
+from pipeline.training.transfer import HostCopy
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,29 @@ class EpochStats:
         self.skipped += int(outcome.skipped)
         if not outcome.skipped:
             self.grad_norms.append(outcome.grad_norm)
+
+
+class StagedStep:
+    """A train step's metric sums and its last update's outcome on their way to the host
+    (`TrainEngine.stage_step`): read once, by whoever needs them first."""
+
+    def __init__(self, keys: list[str], values: Tensor, stats: EpochStats, settles: bool) -> None:
+        self.keys = keys
+        self.stats = stats
+        self.settles = settles  # the tail holds a queued update's (norm, skipped, bad loss)
+        self._copy = HostCopy(values)
+        self._values: list[float] | None = None
+        self.lr = float("nan")  # the schedule's lr once this step settled
+        self.skipped_total = 0  # the engine's skipped steps once this step settled
+
+    def ready(self) -> bool:
+        """Its values are on the host (reading them will not wait)."""
+        return self._values is not None or self._copy.ready()
+
+    def values(self) -> list[float]:
+        if self._values is None:
+            self._values = self._copy.wait().tolist()
+        return self._values
 
 
 def place_model(
@@ -144,6 +168,7 @@ class TrainEngine:
             if self._compute.layout is not None:
                 self._flat = FlatAdamW(self.optimizer, self._compute)
         self._queued: tuple[Tensor, Tensor, Tensor] | None = None  # norm, skipped, bad loss
+        self._staged: StagedStep | None = None  # a step ended by stage_step, not yet settled
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.train_steps = 0  # train_step calls completed (the trainer's step counter)
@@ -173,12 +198,18 @@ class TrainEngine:
 
     @property
     def lr(self) -> float:
+        """The schedule's current lr (settles a staged step first: it may move it)."""
+        self.settle_staged()
+        return self._schedule_lr()
+
+    def _schedule_lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
     def apply_gradients(self, local_nonfinite: bool, *, empty: bool = False) -> UpdateOutcome:
         """Clip, then step the optimizer and schedule, unless the loss on any rank or the
         global gradient norm is non-finite: then the gradients are dropped and the step is
         counted as skipped, so one bad batch cannot poison the weights or Adam's moments."""
+        self.settle_staged()  # the schedule's lr is the settled one
         self._materialize()
         norm = clip_grad_norm(self.model.parameters(), self.config.grad_clip)
         any_bad = all_reduce_ints([int(local_nonfinite)], "max")[0] > 0
@@ -188,7 +219,7 @@ class TrainEngine:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if empty and not skipped:  # nothing to learn from: no step, no schedule move
-            return UpdateOutcome(grad_norm=grad_norm, skipped=False, lr=self.lr)
+            return UpdateOutcome(grad_norm=grad_norm, skipped=False, lr=self._schedule_lr())
         return self._record(grad_norm, skipped=skipped, nonfinite_loss=any_bad)
 
     def queue_update(self, nonfinite_loss: Tensor) -> None:
@@ -198,6 +229,7 @@ class TrainEngine:
         this update. Settle the previous update first: this step reads the schedule's lr."""
         if self._queued is not None:
             raise RuntimeError("settle the queued update before queueing another")
+        self.settle_staged()
         if self._flat is not None and self._flat.ready():
             norm, skipped = self._flat.guarded_step(self.config.grad_clip, nonfinite_loss)
         else:
@@ -209,18 +241,47 @@ class TrainEngine:
         self._queued = (norm, skipped, nonfinite_loss)
 
     def settle_into(self, stats: EpochStats) -> None:
-        """Read the queued update's outcome (one host sync), count it, step the schedule."""
+        """Read the queued update's outcome (one host sync), count it, step the schedule;
+        a staged earlier step settles first (it stepped the schedule before this one)."""
+        self.settle_staged()
         if self._queued is not None:
-            self._settle(stats, torch.stack(self._queued_outcome()).tolist())
+            outcome = torch.stack(self._queued_outcome()).tolist()
+            self._queued = None
+            self._settle(stats, outcome)
 
     def read_step(self, stats: EpochStats, sums: MetricSums) -> dict[str, float]:
         """End of a train step: the metric sums (reduced across ranks) and the outcome of
         the update `run_epochs` left queued, in one read of the device (two reads left the
         device idle between them while the host settled the first), then settle it."""
-        raw, outcome = sums.reduce_with(self._queued_outcome())
-        if self._queued is not None:
-            self._settle(stats, outcome)
-        return raw
+        return self.finish_step(self.stage_step(stats, sums))
+
+    def stage_step(self, stats: EpochStats, sums: MetricSums) -> StagedStep:
+        """`read_step` without waiting: the values start their copy to the host and the
+        queued update stays unsettled until `finish_step`, or until anything that needs
+        the schedule or the counters (the next update, `lr`, `save`, `load`) settles it.
+        The host may so plan and queue the next step while the device finishes this one."""
+        self.settle_staged()
+        keys, values = sums.stage_with(self._queued_outcome())
+        staged = StagedStep(keys, values, stats, settles=self._queued is not None)
+        self._queued = None
+        self._staged = staged
+        return staged
+
+    def finish_step(self, staged: StagedStep) -> dict[str, float]:
+        """A staged step's metric sums, read from the host copy (waiting for the device up
+        to it); settles it if nothing did before."""
+        if staged is self._staged:
+            self.settle_staged()
+        return split_values(staged.keys, staged.values())[0]
+
+    def settle_staged(self) -> None:
+        """Settle the step `stage_step` left (count its update, step the schedule)."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        if staged.settles:
+            self._settle(staged.stats, split_values(staged.keys, staged.values())[1])
+        staged.lr, staged.skipped_total = self._schedule_lr(), self.skipped_steps
 
     def _queued_outcome(self) -> list[Tensor]:
         """(norm, skipped flag, non-finite loss flag) of the queued update as float device
@@ -232,7 +293,6 @@ class TrainEngine:
 
     def _settle(self, stats: EpochStats, outcome: list[float]) -> None:
         grad_norm, flag, bad_loss = outcome
-        self._queued = None
         stats.count(self._record(grad_norm, skipped=flag > 0, nonfinite_loss=bad_loss > 0))
 
     def _record(self, grad_norm: float, *, skipped: bool, nonfinite_loss: bool) -> UpdateOutcome:
@@ -247,7 +307,7 @@ class TrainEngine:
         else:
             self.scheduler.step()
             self.optimizer_steps += 1
-        return UpdateOutcome(grad_norm=grad_norm, skipped=skipped, lr=self.lr)
+        return UpdateOutcome(grad_norm=grad_norm, skipped=skipped, lr=self._schedule_lr())
 
     def epoch_order(self, n: int, epoch: int) -> list[int]:
         """Sample order of one PPO epoch: identity, or a permutation seeded by (seed, step,
@@ -338,6 +398,7 @@ class TrainEngine:
         keep_last: int | None = None,
     ) -> Path:
         """Checkpoint at the current train step (collective: every rank calls it)."""
+        self.settle_staged()
         return save_checkpoint(
             root,
             self.train_steps,
@@ -351,6 +412,7 @@ class TrainEngine:
 
     def load(self, root: str | os.PathLike[str], *, step: int | None = None) -> LoadedCheckpoint:
         """Resume model, optimizer, schedule, RNG and counters (collective)."""
+        self.settle_staged()
         loaded = load_checkpoint(
             root,
             model=self.model,

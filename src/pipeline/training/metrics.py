@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pipeline.training.distributed import all_reduce_, collective_device, is_distributed
+from pipeline.training.transfer import to_device
 
 
 class MetricSums:
@@ -71,6 +72,12 @@ class MetricSums:
     def reduce_with(self, extra: Sequence[Tensor]) -> tuple[dict[str, float], list[float]]:
         """`reduce`, and the values of this rank's `extra` device scalars (not reduced)
         from the same read of the device."""
+        keys, vector = self.stage_with(extra)
+        return split_values(keys, vector.tolist())
+
+    def stage_with(self, extra: Sequence[Tensor]) -> tuple[list[str], Tensor]:
+        """The global values of `reduce_with` as one float64 vector still on the device
+        (the keys name its head, `extra` fills its tail): queued, not read."""
         sums = self._sum_vec + self._host_vector(self._host_sums, self.sum_keys)
         maxes = torch.maximum(self._max_vec, self._host_vector(self._host_maxes, self.max_keys))
         if self.sum_keys:  # no-ops without a process group
@@ -78,10 +85,13 @@ class MetricSums:
         if self.max_keys:
             maxes = all_reduce_(maxes, "max")
         tail = [t.detach().reshape(1).to(sums) for t in extra]
-        values = torch.cat([sums, maxes, *tail]).tolist()
-        keys = [*self.sum_keys, *self.max_keys]
-        return dict(zip(keys, values[: len(keys)], strict=True)), values[len(keys) :]
+        return [*self.sum_keys, *self.max_keys], torch.cat([sums, maxes, *tail])
 
     def _host_vector(self, values: dict[str, float], keys: list[str]) -> Tensor:
         host = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-        return host.to(self._sum_vec.device, non_blocking=True)
+        return to_device(host, self._sum_vec.device)
+
+
+def split_values(keys: list[str], values: list[float]) -> tuple[dict[str, float], list[float]]:
+    """A staged vector's values as (the named head by key, the tail)."""
+    return dict(zip(keys, values[: len(keys)], strict=True)), values[len(keys) :]

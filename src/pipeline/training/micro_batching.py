@@ -26,6 +26,7 @@ from torch import Tensor
 from pipeline.algorithms import LossAggMode
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.errors import BatchError
+from pipeline.training.transfer import to_device
 
 IntsReducer = Callable[[list[int], str], list[int]]
 
@@ -111,7 +112,7 @@ class MicroBatch:
         if buffer is None or buffer.device == device or not _views_of(buffer, named):
             moved = to_device_grouped(named, device)
             return dataclasses.replace(self, **moved, buffer=None)
-        return self.on_copy(buffer.to(device, non_blocking=True), named)
+        return self.on_copy(to_device(buffer, device), named)
 
     def on_copy(self, copy: Tensor, named: dict[str, Tensor] | None = None) -> MicroBatch:
         """This micro-batch with `copy` (of `buffer`) as its buffer and its fields (`named`,
@@ -172,7 +173,7 @@ def to_device_grouped(named: dict[str, Tensor], device: torch.device) -> dict[st
     a micro-batch has about ten small tensors, all needed before its forward starts."""
     if all(t.device == device for t in named.values()):
         return dict(named)
-    return packed_copies(named, lambda buffer: buffer.to(device, non_blocking=True))
+    return packed_copies(named, lambda buffer: to_device(buffer, device))
 
 
 def _aligned(numel: int, itemsize: int) -> int:

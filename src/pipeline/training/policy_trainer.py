@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint
 from pipeline.training.config import TrainerConfig
 from pipeline.training.distributed import DistInfo, all_reduce_ints, current_dist_info
-from pipeline.training.engine import TrainEngine, perf_metrics, place_model
+from pipeline.training.engine import StagedStep, TrainEngine, perf_metrics, place_model
 from pipeline.training.errors import BatchError
 from pipeline.training.forward import micro_logprobs
 from pipeline.training.metrics import MetricSums
@@ -75,6 +76,25 @@ def _load_causal_lm(model: str | os.PathLike[str] | CausalLM) -> CausalLM:
     return loaded
 
 
+class PendingStep:
+    """A submitted train step: `result()` returns its metrics, reading them from the host
+    copy the step queued at its end (waiting for the device up to it, once)."""
+
+    def __init__(self, finish: Callable[[], dict[str, float]], ready: Callable[[], bool]) -> None:
+        self._finish: Callable[[], dict[str, float]] | None = finish
+        self._ready = ready
+        self._metrics: dict[str, float] = {}
+
+    def done(self) -> bool:
+        """The device finished the step (`result()` will not wait)."""
+        return self._finish is None or self._ready()
+
+    def result(self) -> dict[str, float]:
+        if self._finish is not None:
+            self._metrics, self._finish = self._finish(), None
+        return self._metrics
+
+
 class PolicyTrainer:
     """Policy model + frozen reference + optimizer; see the module docstring for a step."""
 
@@ -99,6 +119,7 @@ class PolicyTrainer:
             keep_ref = self.algorithm.use_kl_loss or self.algorithm.kl_penalty_in_reward
         reference = copy.deepcopy(policy) if keep_ref else None
         self.engine = TrainEngine(policy, self.config, self.info, name="policy")
+        self._last_done = 0.0  # perf_counter when the last step's metrics were read
         self.reference: CausalLM | None = (
             place_model(reference, self.config, self.info, trainable=False)  # type: ignore[assignment]
             if reference is not None
@@ -118,6 +139,7 @@ class PolicyTrainer:
 
     @property
     def skipped_steps(self) -> int:
+        self.engine.settle_staged()
         return self.engine.skipped_steps
 
     # -- no-grad forwards -------------------------------------------------------------
@@ -168,6 +190,15 @@ class PolicyTrainer:
 
     def train_step(self, batch: ExperienceBatch) -> dict[str, float]:
         """One PPO update on this rank's share of the batch; returns global metrics."""
+        return self.submit_step(batch).result()
+
+    def submit_step(self, batch: ExperienceBatch) -> PendingStep:
+        """`train_step` without waiting for the device at its end: the update is queued and
+        its metrics come from `result()`. Submitting the next step first lets the host plan
+        and queue it while the device finishes this one (the step's host prologue, ~3 ms of
+        an H200 step, then overlaps the device's work instead of preceding it). The weights
+        are read in stream order: a forward, a checkpoint or an export after a submit sees
+        the update; whatever reads the schedule or the counters settles the step first."""
         start = time.perf_counter()
         alg = self.algorithm
         if batch.advantages is None:
@@ -211,8 +242,18 @@ class PolicyTrainer:
         self._batch_counts(sums, batch)  # host sums: after the device has its work
         sums.add("perf/tokens", float(stats.local_tokens))
         self.engine.train_steps += 1
-        raw = self.engine.read_step(stats, sums)
-        return self._finish_metrics(raw, stats, kl_keys, time.perf_counter() - start)
+        staged = self.engine.stage_step(stats, sums)
+        step = self.engine.train_steps
+
+        def finish() -> dict[str, float]:
+            raw = self.engine.finish_step(staged)
+            done = time.perf_counter()
+            # a step submitted before the previous one's result counts from that result
+            elapsed = done - max(start, self._last_done)
+            self._last_done = done
+            return self._finish_metrics(raw, staged, kl_keys, elapsed, step)
+
+        return PendingStep(finish, staged.ready)
 
     def _micro_loss(
         self,
@@ -322,8 +363,14 @@ class PolicyTrainer:
                 sums.add(f"kl/{est}", masked_sum(kl_estimate(prox, ref, est), mask))  # type: ignore[arg-type]
 
     def _finish_metrics(
-        self, raw: dict[str, float], stats: Any, kl_keys: list[str], elapsed: float
+        self,
+        raw: dict[str, float],
+        staged: StagedStep,
+        kl_keys: list[str],
+        elapsed: float,
+        step: int,
     ) -> dict[str, float]:
+        stats = staged.stats
         tokens = max(raw.pop("batch/response_tokens"), 1.0)
         samples = max(raw.pop("batch/samples"), 1.0)
         updates = max(stats.updates, 1)
@@ -349,11 +396,11 @@ class PolicyTrainer:
             out[key] = value / updates
         norms = stats.grad_norms
         out["actor/grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
-        out["actor/lr"] = self.engine.lr
+        out["actor/lr"] = staged.lr
         out["actor/updates"] = float(stats.updates)
         out["actor/skipped_updates"] = float(stats.skipped)
-        out["actor/skipped_steps_total"] = float(self.engine.skipped_steps)
-        out["actor/step"] = float(self.engine.train_steps)
+        out["actor/skipped_steps_total"] = float(staged.skipped_total)
+        out["actor/step"] = float(step)
         return out
 
     # -- persistence --------------------------------------------------------------------

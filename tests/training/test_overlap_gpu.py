@@ -1,0 +1,64 @@
+"""On a GPU the host never waits for queued device work between train steps: host-device
+copies go through pinned memory, and a submitted step returns before the device finishes
+it. Each test first queues ~0.2 s of matmuls, so that a host wait would find the stream
+idle afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.algorithms import AlgorithmConfig
+from pipeline.training import PolicyTrainer, TrainerConfig
+from pipeline.training.transfer import HostCopy, to_device
+
+from ._helpers import make_batch, save_tiny_model, state_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _busy_device(seconds: float = 0.2) -> None:
+    """Queue about `seconds` of matmuls on the current stream."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    a @ a
+    end.record()
+    end.synchronize()
+    for _ in range(max(1, int(seconds * 1000 / max(start.elapsed_time(end), 1e-3)))):
+        a @ a
+
+
+def test_host_copies_are_queued_behind_busy_work_without_waiting():
+    host = torch.arange(100_000, dtype=torch.int64)  # 800 kB, pageable
+    _busy_device()
+    moved = to_device(host, torch.device("cuda"))
+    back = HostCopy(moved * 2)
+    stream = torch.cuda.current_stream()
+    assert not stream.query() and not back.ready()  # both queued behind the matmuls
+    assert torch.equal(back.wait(), host * 2) and back.ready()
+
+
+def test_a_submitted_step_returns_before_the_device_runs_it(tmp_path: Path):
+    model_dir = save_tiny_model(tmp_path / "model")
+    config = TrainerConfig(
+        lr=1e-3, device="cuda", param_dtype="bfloat16", max_tokens_per_micro_batch=64
+    )
+    batches = [make_batch(seed=s) for s in (0, 1)]
+    blocking = PolicyTrainer(model_dir, config, AlgorithmConfig())
+    expected = [blocking.train_step(b) for b in batches]
+    trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
+    trainer.train_step(batches[0])  # warm: first-call setup may read the device
+    _busy_device()
+    pending = trainer.submit_step(batches[1])
+    assert not torch.cuda.current_stream().query() and not pending.done()
+    metrics = pending.result()
+    assert metrics["actor/grad_norm"] == pytest.approx(expected[1]["actor/grad_norm"], rel=1e-4)
+    for name, value in state_of(blocking.model).items():
+        torch.testing.assert_close(state_of(trainer.model)[name], value, msg=name)

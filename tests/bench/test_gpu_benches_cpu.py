@@ -111,7 +111,8 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         systems = {"ours", "ours[logprob_keep_logits=true]", "hf_eager"}
         assert set(config["seconds"]) == set(config["seconds_consecutive"]) == systems
         assert len(config["seconds"]["ours"]) == 2  # --steps drained steps
-        assert len(config["seconds_consecutive"]["ours"]) == 2  # --windows runs
+        assert len(config["seconds_consecutive"]["ours"]) == 4  # --windows x --steps
+        assert len(config["seconds_consecutive_wall"]["ours"]) == 2  # one mean per run
         assert config["timing"] == "consecutive" and set(config["timings"]) == {
             "consecutive",
             "drained",

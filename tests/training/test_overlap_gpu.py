@@ -1,7 +1,7 @@
 """On a GPU the host never waits for queued device work between train steps: host-device
 copies go through pinned memory, and a submitted step returns before the device finishes
-it. Each test first queues ~0.2 s of matmuls, so that a host wait would find the stream
-idle afterwards."""
+it. Each test first queues a kernel that spins ~0.2 s, so that a host wait would find the
+stream idle afterwards."""
 
 from __future__ import annotations
 
@@ -22,21 +22,14 @@ pytestmark = [
 ]
 
 
-def _busy_device(seconds: float = 0.2) -> None:
-    """Queue about `seconds` of matmuls on the current stream."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    a @ a
-    end.record()
-    end.synchronize()
-    for _ in range(max(1, int(seconds * 1000 / max(start.elapsed_time(end), 1e-3)))):
-        a @ a
+def _busy_device() -> None:
+    """Queue a kernel that spins 4e8 clock cycles (0.2 s at 2 GHz) on the current stream."""
+    torch.cuda._sleep(400_000_000)
 
 
-def test_host_copies_are_queued_behind_busy_work_without_waiting():
-    host = torch.arange(100_000, dtype=torch.int64)  # 800 kB, pageable
+@pytest.mark.parametrize("numel", [100_000, 1_000_000], ids=["800kB-pageable", "8MB-pinned"])
+def test_host_copies_are_queued_behind_busy_work_without_waiting(numel: int):
+    host = torch.arange(numel, dtype=torch.int64)
     _busy_device()
     moved = to_device(host, torch.device("cuda"))
     back = HostCopy(moved * 2)

@@ -15,8 +15,10 @@ is timed two ways, in the same run:
   consecutive  `--windows` runs of `--steps` steps back to back, the device drained only
                before and after each run; each step is queued before the previous step's
                metrics (ours: `submit_step(...).result()`; transformers: the loss) are read,
-               as a training loop runs them. Reported: the median over runs of the mean
-               seconds per step.
+               as a training loop runs them. A step's seconds run from a CUDA event queued
+               when it is submitted to the next step's (the device's time per step, its
+               waits for the host included); reported: the median over all runs' steps,
+               with each run's mean wall seconds per step next to it.
   drained      `--steps` single steps, each with the device drained before and after (the
                host's work before a step's first kernel is then exposed); the median.
 `--timing` picks the headline figures (default consecutive); the other timing's figures
@@ -41,6 +43,7 @@ Prints a table, then one JSON object per figure (see BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -149,26 +152,45 @@ def tagged_path(path: str | None, tag: str) -> str | None:
     return f"{path[:cut]}-{tag}{path[cut:]}" if cut >= 0 else f"{path}-{tag}"
 
 
-Timings = dict[str, list[float]]  # "drained": seconds per step; "consecutive": per run
+# "drained": seconds per step; "consecutive": each step's seconds in runs of consecutive
+# steps; "consecutive_wall": each run's mean wall seconds per step
+Timings = dict[str, list[float]]
 
 
 def consecutive_steps(
     submit: Callable[[], Any], settle: Callable[[Any], Any], device: torch.device, steps: int
-) -> float:
-    """Mean seconds per step of `steps` steps back to back: each is submitted before the
-    previous one is settled (its metrics or loss read), the device drained only before the
-    first and after the last."""
+) -> tuple[list[float], float]:
+    """`steps` steps back to back, each submitted before the previous one is settled (its
+    metrics or loss read), the device drained only before the first and after the last.
+    Returns each step's seconds, from a mark queued when it was submitted to the next
+    step's mark (CUDA events: the device's time per step, idle waits for the host
+    included), and the run's mean wall seconds per step."""
     sync(device)
     start = time.perf_counter()
-    pending = None
+    marks, pending = [], None
     for _ in range(steps):
+        marks.append(_mark(device))
         queued = submit()
         if pending is not None:
             settle(pending)
         pending = queued
     settle(pending)
+    marks.append(_mark(device))
     sync(device)
-    return (time.perf_counter() - start) / steps
+    wall = (time.perf_counter() - start) / steps
+    return [_seconds_between(a, b) for a, b in itertools.pairwise(marks)], wall
+
+
+def _mark(device: torch.device) -> Any:
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _seconds_between(a: Any, b: Any) -> float:
+    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
 
 def trainer_config(
@@ -226,20 +248,20 @@ def run_ours(
 
     for _ in range(args.warmup):
         metrics = step()
-    runs: Timings = {"drained": [], "consecutive": []}
+    runs: Timings = {"drained": [], "consecutive": [], "consecutive_wall": []}
     for _ in range(args.steps):
         seconds, metrics = timed(step, device)
         runs["drained"].append(seconds)
     results: list[dict[str, float]] = []
     for _ in range(args.windows):
-        runs["consecutive"].append(
-            consecutive_steps(
-                lambda: trainer.submit_step(experience),
-                lambda pending: results.append(pending.result()),
-                device,
-                args.steps,
-            )
+        per_step, wall = consecutive_steps(
+            lambda: trainer.submit_step(experience),
+            lambda pending: results.append(pending.result()),
+            device,
+            args.steps,
         )
+        runs["consecutive"] += per_step
+        runs["consecutive_wall"].append(wall)
     skipped = sum(m.get("actor/skipped_updates", 0.0) for m in [metrics, *results])
     progress(f"ours (kl={kl}, {overrides or 'profile'}): {rounded(runs)} s")
     profiled = (
@@ -315,18 +337,18 @@ def run_hf(
         warmup = max(args.warmup, 2) if name == "compiled" else args.warmup
         for _ in range(warmup):
             step()
-        runs: Timings = {"drained": [], "consecutive": []}
+        runs: Timings = {"drained": [], "consecutive": [], "consecutive_wall": []}
         losses: list[float] = []
         for _ in range(args.steps):
             seconds, loss = timed(step, device)
             runs["drained"].append(seconds)
             losses.append(float(loss))
         for _ in range(args.windows):  # the loss read one step late, like ours' metrics
-            runs["consecutive"].append(
-                consecutive_steps(
-                    step, lambda loss, out=losses: out.append(float(loss)), device, args.steps
-                )
+            per_step, wall = consecutive_steps(
+                step, lambda loss, out=losses: out.append(float(loss)), device, args.steps
             )
+            runs["consecutive"] += per_step
+            runs["consecutive_wall"].append(wall)
         if not all(math.isfinite(x) for x in losses):
             raise RuntimeError(f"transformers {name} step produced a non-finite loss")
         out[name] = runs
@@ -454,14 +476,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "torch_threads": torch.get_num_threads(),  # the host's CPU ops (--threads)
         "timing": args.timing,
         "timings": {
-            "consecutive": f"median over {args.windows} runs of the mean wall seconds per step "
-            f"of {args.steps} steps back to back (each queued before the previous one's "
-            "metrics or loss are read), device drained before and after each run",
+            "consecutive": f"median seconds per step over {args.windows} runs of "
+            f"{args.steps} steps back to back (each queued before the previous one's "
+            "metrics or loss are read; device drained before and after each run), a step's "
+            "seconds from a CUDA event queued at its submission to the next step's",
             "drained": "median wall seconds of one train_step / training step, device "
             "drained before and after it",
         },
         "seconds": {k: v["drained"] for k, v in rounded_all(systems).items()},
         "seconds_consecutive": {k: v["consecutive"] for k, v in rounded_all(systems).items()},
+        "seconds_consecutive_wall": {
+            k: v["consecutive_wall"] for k, v in rounded_all(systems).items()
+        },
         **per_system[args.timing],
         **{f"{k}_{other}": v for k, v in per_system[other].items()},
         "mfu_formula": "(6 * params + 6 * layers * heads * head_dim * seq) * batch * seq "
@@ -547,9 +573,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default seq/4)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per timing run")
-    ap.add_argument(
-        "--windows", type=int, default=3, help="runs of --steps consecutive steps (median)"
-    )
+    ap.add_argument("--windows", type=int, default=3, help="runs of --steps consecutive steps")
     ap.add_argument(
         "--timing",
         choices=["consecutive", "drained"],

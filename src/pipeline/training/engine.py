@@ -190,6 +190,12 @@ class TrainEngine:
         if self.config.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
+    def _masters_changed(self) -> None:
+        """The float32 masters change without their compute copies (torch's optimizer, a
+        load): the next entry refreshes the copies (the flat optimizer writes both)."""
+        if self._compute is not None:
+            self._compute.invalidate()
+
     def _materialize(self) -> None:
         """Pending bf16 gradients (a deferred backward) into the float32 accumulators,
         before anything but the flat optimizer reads `.grad` or another forward runs."""
@@ -216,6 +222,7 @@ class TrainEngine:
         grad_norm = float(norm)
         skipped = any_bad or not torch.isfinite(norm).item()
         if not skipped and not empty:
+            self._masters_changed()
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if empty and not skipped:  # nothing to learn from: no step, no schedule move
@@ -234,6 +241,7 @@ class TrainEngine:
             norm, skipped = self._flat.guarded_step(self.config.grad_clip, nonfinite_loss)
         else:
             self._materialize()
+            self._masters_changed()
             norm, skipped = guarded_step(
                 self.optimizer, self.model.parameters(), self.config.grad_clip, nonfinite_loss
             )
@@ -413,6 +421,7 @@ class TrainEngine:
     def load(self, root: str | os.PathLike[str], *, step: int | None = None) -> LoadedCheckpoint:
         """Resume model, optimizer, schedule, RNG and counters (collective)."""
         self.settle_staged()
+        self._masters_changed()
         loaded = load_checkpoint(
             root,
             model=self.model,

@@ -23,8 +23,10 @@ sharded one:
 
 With `flat=True` (the engine's choice for the fused optimizer in one process) the masters,
 the float32 accumulators and the compute copies are views of one flat buffer each, so
-`FlatAdamW` (flat_adamw.py) updates every parameter with one kernel. `prepare()` queues the
-refresh of the compute copies ahead of the entry, while the host still plans the step.
+`FlatAdamW` (flat_adamw.py) updates every parameter with one kernel, which also writes the
+bf16 compute copies (`mark_fresh`: the next entry then copies nothing). Otherwise
+`prepare()` queues the refresh of the compute copies ahead of the entry, while the host
+still plans the step.
 
 The float32 accumulators are allocated once and reused by every later step (a fresh set per
 step cost ~300 allocations on the host, between backward and optimizer, while the device
@@ -95,6 +97,8 @@ class ComputeWeights:
             self._master_views = None
             self._master_ptrs = []
         self.active = False
+        # the compute copies equal the masters (the flat optimizer wrote both): no refresh
+        self._fresh = False
         # set by `prepare`: the copies were refreshed from these masters for the next entry
         self._prepared: list[Tensor] | None = None
         self._defer = False  # this entry may leave its only backward's gradients pending
@@ -178,6 +182,24 @@ class ComputeWeights:
             buf = self._buffers[i] = torch.empty_like(self.params[i], dtype=torch.float32)
         return buf
 
+    @property
+    def flat_low(self) -> Tensor | None:
+        """The compute copies' flat buffer (flat layout only), for an optimizer that writes
+        them with the masters (then `mark_fresh`)."""
+        return self._flat_low
+
+    def mark_fresh(self, fresh: bool = True) -> None:
+        """The flat compute copies were just written from the flat masters (in stream
+        order): the next entry skips its refresh while the masters stay the flat views.
+        (`fresh=False`: the masters changed, the copies did not: `invalidate`.)"""
+        self._fresh = fresh
+
+    def invalidate(self) -> None:
+        """The masters changed (or may have) without their copies: refresh at next entry.
+        Whatever writes the masters in place other than the flat optimizer calls it (the
+        engine: torch's optimizer, a checkpoint load)."""
+        self._fresh = False
+
     def _masters(self) -> list[Tensor]:
         """The parameters' float32 masters, read each time (a checkpoint load may have
         replaced them) unless every one is still its view of the flat buffer (a load copies
@@ -194,7 +216,8 @@ class ComputeWeights:
         H200 host, spent while the device idled at the start of a step)."""
         if masters is self._master_views and self._flat_low is not None:
             assert self.flat_masters is not None
-            self._flat_low.copy_(self.flat_masters)  # gaps are zero in both
+            if not self._fresh:
+                self._flat_low.copy_(self.flat_masters)  # gaps are zero in both
         else:
             torch._foreach_copy_(self._low, masters)
 

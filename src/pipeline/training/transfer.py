@@ -1,10 +1,12 @@
 """Host <-> device copies that never make the host wait for the device's queued work.
 
-From pageable host memory the CUDA driver performs a stream sync before a host-to-device
-copy, and returns from a device-to-host copy only once it is done: the host would wait for
-everything already queued (a whole forward, or the previous train step) before it could
-queue more. Through pinned memory both copies are queued like kernels; torch's caching host
-allocator keeps a pinned block from reuse until the copy that reads or fills it has run.
+A device-to-host copy into pageable memory returns only once it is done, so the host would
+wait for everything queued before it (the rest of a train step); into pinned memory it is
+queued like a kernel, and torch's caching host allocator keeps the pinned block from reuse
+until the copy has run. Host-to-device, the driver stages a small pageable copy and returns
+at once, but a large one (4 MB on an H200 host) waits for the stream's queued work, while
+pinning a buffer for one copy costs the host ~0.3 ms (400 kB); so only large buffers are
+pinned (measured: 400 kB pageable 0.05 ms with the stream still busy; 4 MB 7.5 ms, idle).
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+PAGEABLE_MAX_BYTES = 1 << 20  # larger host-to-device copies are pinned first
+
 
 def to_device(host: Tensor, device: torch.device) -> Tensor:
-    """`host` on `device`, queued without waiting for the device (pinned first for CUDA)."""
+    """`host` on `device`, queued without waiting for the device (module docstring)."""
     if host.device == device:
         return host
-    if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
+    large = host.numel() * host.element_size() > PAGEABLE_MAX_BYTES
+    if large and device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 

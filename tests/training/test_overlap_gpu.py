@@ -30,6 +30,9 @@ def _busy_device() -> None:
 @pytest.mark.parametrize("numel", [100_000, 1_000_000], ids=["800kB-pageable", "8MB-pinned"])
 def test_host_copies_are_queued_behind_busy_work_without_waiting(numel: int):
     host = torch.arange(numel, dtype=torch.int64)
+    # the first pinned allocation of a size calls cudaHostAlloc, which waits for the
+    # device; torch's caching host allocator then reuses the block (a steady-state step)
+    HostCopy(to_device(host, torch.device("cuda"))).wait()
     _busy_device()
     moved = to_device(host, torch.device("cuda"))
     back = HostCopy(moved * 2)
@@ -43,15 +46,16 @@ def test_a_submitted_step_returns_before_the_device_runs_it(tmp_path: Path):
     config = TrainerConfig(
         lr=1e-3, device="cuda", param_dtype="bfloat16", max_tokens_per_micro_batch=64
     )
-    batches = [make_batch(seed=s) for s in (0, 1)]
+    batches = [make_batch(seed=s) for s in (0, 1, 1)]
     blocking = PolicyTrainer(model_dir, config, AlgorithmConfig())
     expected = [blocking.train_step(b) for b in batches]
     trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
-    trainer.train_step(batches[0])  # warm: first-call setup may read the device
+    for batch in batches[:2]:  # warm: first-step setup (optimizer state, the address table,
+        trainer.train_step(batch)  # pinned blocks for the metric copy) may wait for the device
     _busy_device()
-    pending = trainer.submit_step(batches[1])
+    pending = trainer.submit_step(batches[2])
     assert not torch.cuda.current_stream().query() and not pending.done()
     metrics = pending.result()
-    assert metrics["actor/grad_norm"] == pytest.approx(expected[1]["actor/grad_norm"], rel=1e-4)
+    assert metrics["actor/grad_norm"] == pytest.approx(expected[2]["actor/grad_norm"], rel=1e-4)
     for name, value in state_of(blocking.model).items():
         torch.testing.assert_close(state_of(trainer.model)[name], value, msg=name)

@@ -297,3 +297,32 @@ def test_the_packer_lays_the_device_fields_out_in_one_buffer_that_moves_them_all
     for key in ("input_ids", "position_ids", "cu_seqlens"):
         assert getattr(a, key).shape == getattr(b, key).shape, key
         assert getattr(a, key).storage_offset() == getattr(b, key).storage_offset(), key
+
+
+def test_host_fields_are_indexed_without_torch_cpu_index_ops():
+    """fields/put on host tensors go through NumPy (torch's CPU index op uses the intra-op
+    thread pool even for a few KB, which stalled a busy GPU host for milliseconds): the
+    same values as torch's indexing, for each field dtype and a strided field, and no
+    aten::index / aten::index_put_ on the way."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = make_batch(seed=5, n=6)
+    mb = pack_padding_free(batch, [4, 1, 3])
+    rows = torch.tensor([4, 1, 3])
+    named = {
+        "mask": batch.response_mask,
+        "adv": batch.advantages,
+        "ids": (batch.advantages * 100).long(),
+        "strided": batch.advantages.t().contiguous().t(),
+        "double": batch.advantages.double(),
+    }
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = {k: mb.fields(v) for k, v in named.items()}
+        out = torch.zeros_like(batch.advantages)
+        mb.put(out, got["adv"])
+    ops = {e.name for e in prof.events()}
+    assert not ops & {"aten::index", "aten::index_put_", "aten::_index_put_impl_"}, ops
+    for key, value in named.items():
+        assert torch.equal(got[key], value[rows, : mb.width]), key
+    assert torch.equal(out[rows, : mb.width], batch.advantages[rows, : mb.width])
+    assert not out[[0, 2, 5]].any()  # rows outside the micro-batch untouched

@@ -95,7 +95,7 @@ class CriticTrainer:
                 if mb.is_empty:
                     continue
                 mask = mb.fields(batch.response_mask)
-                out[mb.sample_indices, : mb.width] = torch.where(mask, values.float().cpu(), 0.0)
+                mb.put(out, torch.where(mask, values.float().cpu(), 0.0))
         return out
 
     @torch.no_grad()

@@ -183,7 +183,7 @@ class PolicyTrainer:
                 if mb.is_empty:
                     continue
                 mask = mb.fields(batch.response_mask)
-                out[mb.sample_indices, : mb.width] = torch.where(mask, logp.float().cpu(), 0.0)
+                mb.put(out, torch.where(mask, logp.float().cpu(), 0.0))
         return out
 
     # -- training -----------------------------------------------------------------------

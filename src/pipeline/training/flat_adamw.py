@@ -194,15 +194,17 @@ class FlatAdamW:
         inc = 1.0 - found_inf
         torch._foreach_add_(self._steps, [inc] * len(self._steps))
         hyper = Hyper.of(self.optimizer.param_groups[0])
+        # the Triton kernels write the bf16 compute copies with the masters; torch's does not
+        if _bf16_copies(self) is not None and (table is not None or _triton_runs(self.masters)):
+            self.weights.mark_fresh()
+        else:
+            self.weights.invalidate()
         if table is not None:
             table.step(self, found_inf, scale, hyper)
             self.weights.drop_pending()  # the kernel is queued: the allocator orders reuse
         elif _triton_runs(self.masters):
             _triton_step(self, found_inf, scale, hyper)
-        if table is not None or _triton_runs(self.masters):
-            self.weights.mark_fresh(_bf16_copies(self) is not None)  # written with them
         else:
-            self.weights.invalidate()
             torch._fused_adamw_(
                 [self.masters],
                 [self.grads],

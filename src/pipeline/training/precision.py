@@ -188,11 +188,11 @@ class ComputeWeights:
         them with the masters (then `mark_fresh`)."""
         return self._flat_low
 
-    def mark_fresh(self, fresh: bool = True) -> None:
-        """The flat compute copies were just written from the flat masters (in stream
-        order): the next entry skips its refresh while the masters stay the flat views.
-        (`fresh=False`: the masters changed, the copies did not: `invalidate`.)"""
-        self._fresh = fresh
+    def mark_fresh(self) -> None:
+        """The flat compute copies are written with the flat masters (by the optimizer's
+        kernel, in stream order): the next entry skips its refresh while the masters stay
+        the flat views."""
+        self._fresh = True
 
     def invalidate(self) -> None:
         """The masters changed (or may have) without their copies: refresh at next entry.

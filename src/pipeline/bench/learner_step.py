@@ -452,6 +452,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         return per_token * tps(name, timing) / peak
 
     base = "hf_compiled" if hf_info["hf_compiled"] else "hf_eager"
+    base_name = f"hf_train_step_{base.removeprefix('hf_')}"
+    seconds = rounded_all(systems)
     per_system = {
         timing: {
             "tokens_per_s": {k: round(tps(k, timing), 1) for k in systems},
@@ -483,11 +485,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "drained": "median wall seconds of one train_step / training step, device "
             "drained before and after it",
         },
-        "seconds": {k: v["drained"] for k, v in rounded_all(systems).items()},
-        "seconds_consecutive": {k: v["consecutive"] for k, v in rounded_all(systems).items()},
-        "seconds_consecutive_wall": {
-            k: v["consecutive_wall"] for k, v in rounded_all(systems).items()
-        },
+        "seconds": {k: v["drained"] for k, v in seconds.items()},
+        "seconds_consecutive": {k: v["consecutive"] for k, v in seconds.items()},
+        "seconds_consecutive_wall": {k: v["consecutive_wall"] for k, v in seconds.items()},
         **per_system[args.timing],
         **{f"{k}_{other}": v for k, v in per_system[other].items()},
         "mfu_formula": "(6 * params + 6 * layers * heads * head_dim * seq) * batch * seq "
@@ -524,7 +524,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             fig(
                 f"tokens_per_s{suffix}",
                 tps("ours", timing),
-                f"hf_train_step_{base[3:]}",
+                base_name,
                 tps(base, timing),
                 bound_tps,
             ),
@@ -538,7 +538,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             fig(
                 f"mfu{suffix}",
                 mfu("ours", timing),
-                f"hf_train_step_{base[3:]}",
+                base_name,
                 mfu(base, timing),
                 rate / peak,
             ),
@@ -549,7 +549,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 BENCH,
                 "tokens_per_s_kl",
                 tps("ours_kl"),
-                baseline=f"hf_train_step_{base[3:]}",
+                baseline=base_name,
                 baseline_value=tps(base),
                 bound=bound_tps,
                 config={**cfg, "variant": "reference model kept, k3 KL loss"},

@@ -113,6 +113,8 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         assert len(config["seconds"]["ours"]) == 2  # --steps drained steps
         assert len(config["seconds_consecutive"]["ours"]) == 4  # --windows x --steps
         assert len(config["seconds_consecutive_wall"]["ours"]) == 2  # one mean per run
+        host = config["seconds_consecutive_host"]["ours"]  # each submission's host seconds
+        assert len(host) == 4 and all(x > 0 for x in host)
         assert config["timing"] == "consecutive" and set(config["timings"]) == {
             "consecutive",
             "drained",

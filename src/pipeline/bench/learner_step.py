@@ -18,7 +18,8 @@ is timed two ways, in the same run:
                as a training loop runs them. A step's seconds run from a CUDA event queued
                when it is submitted to the next step's (the device's time per step, its
                waits for the host included); reported: the median over all runs' steps,
-               with each run's mean wall seconds per step next to it.
+               with each run's mean wall seconds per step and the host's seconds in
+               each submission (near the step's seconds, the host bounds the step).
   drained      `--steps` single steps, each with the device drained before and after (the
                host's work before a step's first kernel is then exposed); the median.
 `--timing` picks the headline figures (default consecutive); the other timing's figures
@@ -153,32 +154,43 @@ def tagged_path(path: str | None, tag: str) -> str | None:
 
 
 # "drained": seconds per step; "consecutive": each step's seconds in runs of consecutive
-# steps; "consecutive_wall": each run's mean wall seconds per step
+# steps; "consecutive_wall": each run's mean wall seconds per step; "consecutive_host": the
+# host's seconds in each submission (how far ahead of the device the host could run)
 Timings = dict[str, list[float]]
 
 
-def consecutive_steps(
-    submit: Callable[[], Any], settle: Callable[[Any], Any], device: torch.device, steps: int
-) -> tuple[list[float], float]:
-    """`steps` steps back to back, each submitted before the previous one is settled (its
-    metrics or loss read), the device drained only before the first and after the last.
-    Returns each step's seconds, from a mark queued when it was submitted to the next
-    step's mark (CUDA events: the device's time per step, idle waits for the host
-    included), and the run's mean wall seconds per step."""
-    sync(device)
-    start = time.perf_counter()
-    marks, pending = [], None
-    for _ in range(steps):
+def time_consecutive(
+    runs: Timings,
+    submit: Callable[[], Any],
+    settle: Callable[[Any], Any],
+    device: torch.device,
+    steps: int,
+    windows: int,
+) -> None:
+    """`windows` runs of `steps` steps back to back, each submitted before the previous
+    one is settled (its metrics or loss read), the device drained only before the first
+    and after the last of a run; into `runs`' consecutive entries. A step's seconds run
+    from a mark queued when it is submitted to the next step's mark (CUDA events: the
+    device's time per step, idle waits for the host included)."""
+    for _ in range(windows):
+        sync(device)
+        start = time.perf_counter()
+        marks, pending = [], None
+        for _ in range(steps):
+            marks.append(_mark(device))
+            before = time.perf_counter()
+            queued = submit()
+            runs.setdefault("consecutive_host", []).append(time.perf_counter() - before)
+            if pending is not None:
+                settle(pending)
+            pending = queued
+        settle(pending)
         marks.append(_mark(device))
-        queued = submit()
-        if pending is not None:
-            settle(pending)
-        pending = queued
-    settle(pending)
-    marks.append(_mark(device))
-    sync(device)
-    wall = (time.perf_counter() - start) / steps
-    return [_seconds_between(a, b) for a, b in itertools.pairwise(marks)], wall
+        sync(device)
+        runs.setdefault("consecutive_wall", []).append((time.perf_counter() - start) / steps)
+        runs.setdefault("consecutive", []).extend(
+            _seconds_between(a, b) for a, b in itertools.pairwise(marks)
+        )
 
 
 def _mark(device: torch.device) -> Any:
@@ -248,20 +260,19 @@ def run_ours(
 
     for _ in range(args.warmup):
         metrics = step()
-    runs: Timings = {"drained": [], "consecutive": [], "consecutive_wall": []}
+    runs: Timings = {"drained": []}
     for _ in range(args.steps):
         seconds, metrics = timed(step, device)
         runs["drained"].append(seconds)
     results: list[dict[str, float]] = []
-    for _ in range(args.windows):
-        per_step, wall = consecutive_steps(
-            lambda: trainer.submit_step(experience),
-            lambda pending: results.append(pending.result()),
-            device,
-            args.steps,
-        )
-        runs["consecutive"] += per_step
-        runs["consecutive_wall"].append(wall)
+    time_consecutive(
+        runs,
+        lambda: trainer.submit_step(experience),
+        lambda pending: results.append(pending.result()),
+        device,
+        args.steps,
+        args.windows,
+    )
     skipped = sum(m.get("actor/skipped_updates", 0.0) for m in [metrics, *results])
     progress(f"ours (kl={kl}, {overrides or 'profile'}): {rounded(runs)} s")
     profiled = (
@@ -337,18 +348,21 @@ def run_hf(
         warmup = max(args.warmup, 2) if name == "compiled" else args.warmup
         for _ in range(warmup):
             step()
-        runs: Timings = {"drained": [], "consecutive": [], "consecutive_wall": []}
+        runs: Timings = {"drained": []}
         losses: list[float] = []
         for _ in range(args.steps):
             seconds, loss = timed(step, device)
             runs["drained"].append(seconds)
             losses.append(float(loss))
-        for _ in range(args.windows):  # the loss read one step late, like ours' metrics
-            per_step, wall = consecutive_steps(
-                step, lambda loss, out=losses: out.append(float(loss)), device, args.steps
-            )
-            runs["consecutive"] += per_step
-            runs["consecutive_wall"].append(wall)
+        # the loss read one step late, like ours' metrics
+        time_consecutive(
+            runs,
+            step,
+            lambda loss, out=losses: out.append(float(loss)),
+            device,
+            args.steps,
+            args.windows,
+        )
         if not all(math.isfinite(x) for x in losses):
             raise RuntimeError(f"transformers {name} step produced a non-finite loss")
         out[name] = runs
@@ -488,6 +502,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "seconds": {k: v["drained"] for k, v in seconds.items()},
         "seconds_consecutive": {k: v["consecutive"] for k, v in seconds.items()},
         "seconds_consecutive_wall": {k: v["consecutive_wall"] for k, v in seconds.items()},
+        # the host's seconds per submission: near the step's seconds, the host bounds it
+        "seconds_consecutive_host": {k: v["consecutive_host"] for k, v in seconds.items()},
         **per_system[args.timing],
         **{f"{k}_{other}": v for k, v in per_system[other].items()},
         "mfu_formula": "(6 * params + 6 * layers * heads * head_dim * seq) * batch * seq "

@@ -39,6 +39,13 @@ FUSED = pytest.mark.parametrize(
 )
 
 
+def _poisoned(seed: int):
+    batch = make_batch(seed=seed)
+    adv = batch.advantages.clone()
+    adv[3, 0] = float("nan")  # one valid token poisons the loss: the update is skipped
+    return batch.replace(advantages=adv)
+
+
 @FUSED
 def test_nan_loss_skips_update_keeps_weights_and_adam_state_and_counts_it(
     model_dir: Path, fused: dict
@@ -46,10 +53,7 @@ def test_nan_loss_skips_update_keeps_weights_and_adam_state_and_counts_it(
     config = CONFIG.replace(mini_batches=1, **fused)
     trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
     before = state_of(trainer.model)
-    batch = make_batch(seed=0)
-    adv = batch.advantages.clone()
-    adv[3, 0] = float("nan")  # one valid token poisons the loss
-    metrics = trainer.train_step(batch.replace(advantages=adv))
+    metrics = trainer.train_step(_poisoned(0))
     assert metrics["actor/skipped_updates"] == 1
     assert metrics["actor/skipped_steps_total"] == 1 == trainer.skipped_steps
     assert math.isnan(metrics["actor/grad_norm"])  # no applied update to average
@@ -59,7 +63,7 @@ def test_nan_loss_skips_update_keeps_weights_and_adam_state_and_counts_it(
     assert all(p.grad is None for p in trainer.model.parameters())
     for name, value in state_of(trainer.model).items():
         assert torch.equal(value, before[name]), name
-    good = trainer.train_step(batch)  # training carries on
+    good = trainer.train_step(make_batch(seed=0))  # training carries on
     assert good["actor/skipped_updates"] == 0 and trainer.engine.optimizer_steps == 1
 
 
@@ -297,13 +301,6 @@ def test_compile_options_join_the_mode_and_bad_ones_fail_when_the_config_is_buil
     # from a profile table, as TOML gives it
     config = TrainerConfig.from_mapping({"compile": True, "compile_options": options})
     assert config.compile_options == options
-
-
-def _poisoned(seed: int):
-    batch = make_batch(seed=seed)
-    adv = batch.advantages.clone()
-    adv[3, 0] = float("nan")  # a non-finite loss: the update is skipped
-    return batch.replace(advantages=adv)
 
 
 @FUSED

@@ -37,6 +37,7 @@ from pipeline.models.masks import (
     padded_causal_mask,
     positions_from_mask,
 )
+from pipeline.models.tied_embedding import TiedGrad, tied_embedding
 
 
 class DecoderBlock(nn.Module):
@@ -101,9 +102,15 @@ class DecoderTrunk(nn.Module):
         self.fused_norm = False
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        spec: AttentionSpec,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (batch, seq, hidden)
+        """`embeds`: input_ids' embeddings, looked up by the caller (then input_ids is
+        unused): CausalLM's `tied_grad_rows`."""
+        x = self.embed_tokens(input_ids) if embeds is None else embeds  # (batch, seq, hidden)
         cos, sin = self.rotary_emb(positions, x.dtype)  # (batch, seq, head_dim)
         if self.fused_norm:
             delta = None  # the last block's output is x + delta
@@ -128,6 +135,10 @@ class DecoderBase(nn.Module):
         # set by the trainer (`trainer.uniform_attention`): packed sequences of one length
         # attend as a (rows, length) batch (cuDNN's kernel on CUDA) instead of varlen
         self.uniform_attention = False
+        # set by the trainer (`trainer.tied_grad_rows`, tied models in one process): the
+        # embedding is looked up outside the trunk and its gradient rows are added into the
+        # output layer's gradient in place (models/tied_embedding.py)
+        self.tied_grad_rows = False
 
     # -- trunk entry points (private: public methods must not nest under FSDP hooks) --
 
@@ -136,6 +147,7 @@ class DecoderBase(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if attention_mask is None:
             spec = AttentionSpec()
@@ -146,7 +158,7 @@ class DecoderBase(nn.Module):
             spec = AttentionSpec(mask=padded_causal_mask(attention_mask))
             if position_ids is None:
                 position_ids = positions_from_mask(attention_mask)
-        return self.model(input_ids, position_ids, spec)
+        return self.model(input_ids, position_ids, spec, embeds)
 
     def _packed(
         self,
@@ -155,6 +167,7 @@ class DecoderBase(nn.Module):
         cu_seqlens: torch.Tensor,
         max_seqlen: int | None = None,
         uniform: bool = False,
+        embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """max_seqlen given: the caller vouches that cu_seqlens covers all of input_ids and
         that no sequence is longer, so nothing is read back from the device. uniform: it
@@ -168,7 +181,7 @@ class DecoderBase(nn.Module):
             head_dim = self.config.head_dim
             cudnn = cudnn_rows_supported(input_ids.device, torch.bfloat16, head_dim)
             spec = AttentionSpec(rows=total // max_seqlen, cudnn=cudnn)
-            return self.model(input_ids, position_ids, spec)
+            return self.model(input_ids, position_ids, spec, embeds)
         cu = cu_seqlens.to(input_ids.device)
         if varlen_supported(input_ids.device):
             if max_seqlen is None:  # two host syncs
@@ -177,14 +190,13 @@ class DecoderBase(nn.Module):
                 max_seqlen = int((cu[1:] - cu[:-1]).max())
             grouped = varlen_grouped(input_ids.device)
             spec = AttentionSpec(cu_seqlens=cu, max_seqlen=max_seqlen, grouped=grouped)
-            if self.packed_runner is not None:
+            if self.packed_runner is not None and embeds is None:
                 hidden = self.packed_runner(input_ids, position_ids, spec)
                 if hidden is not None:
                     return hidden
-            return self.model(input_ids, position_ids, spec)
-        return self.model(
-            input_ids, position_ids, AttentionSpec(mask=packed_causal_mask(cu, total))
-        )
+            return self.model(input_ids, position_ids, spec, embeds)
+        spec = AttentionSpec(mask=packed_causal_mask(cu, total))
+        return self.model(input_ids, position_ids, spec, embeds)
 
     def _cached(
         self,
@@ -307,12 +319,18 @@ class CausalLM(DecoderBase):
         through the output layer and the result is (n,): a learner scores response tokens
         only, and the prompt's share of the lm_head GEMMs and softmax passes is skipped.
         """
+        tied = embeds = None
+        if self.tied_grad_rows and self.config.tie_word_embeddings:
+            tied = TiedGrad()
+            embeds = tied_embedding(input_ids, self.lm_head.weight, tied)
         if cu_seqlens is not None:
             if position_ids is None:
                 raise ValueError("packed token_logprobs needs position_ids")
-            hidden = self._packed(input_ids, position_ids, cu_seqlens, max_seqlen, uniform)
+            hidden = self._packed(
+                input_ids, position_ids, cu_seqlens, max_seqlen, uniform, embeds=embeds
+            )
         else:
-            hidden = self._dense(input_ids, position_ids, attention_mask)
+            hidden = self._dense(input_ids, position_ids, attention_mask, embeds=embeds)
         if score_index is not None:
             hidden = hidden.reshape(-1, hidden.shape[-1])[score_index]  # (n, hidden)
             target_ids = target_ids.reshape(-1)[score_index]  # (n,)
@@ -324,6 +342,7 @@ class CausalLM(DecoderBase):
             temperature=temperature,
             return_entropy=return_entropy,
             keep_logits=keep_logits,
+            tied=tied,
         )
 
     @torch.no_grad()

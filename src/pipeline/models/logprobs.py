@@ -29,6 +29,7 @@ from torch import Tensor
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.models.logit_stats import kernels_supported, logit_grad, logit_stats
+from pipeline.models.tied_embedding import TiedGrad
 
 
 def _logit_stats(
@@ -146,6 +147,7 @@ class _LinearLogprobs(torch.autograd.Function):
         temperature: float,
         with_entropy: bool,
         keep_logits: bool,
+        tied: TiedGrad | None,
     ) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         stats = _KERNELS.get("stats", hidden.device)
@@ -164,7 +166,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 entropy[s:e] = ent
         ctx.set_materialize_grads(False)  # an output nobody differentiates gets None
         ctx.save_for_backward(hidden, weight, targets, lse, entropy, kept)
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.chunk, ctx.temperature, ctx.tied = chunk, temperature, tied
         return logp, entropy
 
     @staticmethod
@@ -186,7 +188,7 @@ class _LinearLogprobs(torch.autograd.Function):
             g = logit_grad(0, n, kept)  # (n, vocab)
             grad_h = g @ weight if want_h else None
             grad_w = g.t() @ hidden if want_w else None  # float32 accumulation inside
-            return grad_h, grad_w, None, None, None, None, None
+            return _grads(ctx, grad_h, grad_w)
         chunk = ctx.chunk
         grad_h = torch.empty_like(hidden) if want_h else None
         acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -199,7 +201,16 @@ class _LinearLogprobs(torch.autograd.Function):
             if want_w:
                 acc_w.add_(g.t() @ h)
         grad_w = acc_w.to(weight.dtype) if want_w else None
-        return grad_h, grad_w, None, None, None, None, None
+        return _grads(ctx, grad_h, grad_w)
+
+
+def _grads(ctx: Any, grad_h: Tensor | None, grad_w: Tensor | None) -> tuple[Any, ...]:
+    """The backward's outputs. With a tied embedding's slot, d(W) goes there instead: the
+    embedding's backward (after this one) adds its rows into it and hands autograd the sum
+    (models/tied_embedding.py)."""
+    if ctx.tied is not None and grad_w is not None:
+        ctx.tied.grad, grad_w = grad_w, None
+    return grad_h, grad_w, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -210,6 +221,7 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     keep_logits: bool = False,
+    tied: TiedGrad | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(target) in float32, shaped like target_ids; with entropy if asked.
 
@@ -219,7 +231,9 @@ def chunked_token_logprobs(
     distribution the rollouts were drawn from. Both outputs are differentiable.
     `keep_logits` trades memory for time: the (tokens, vocab) logits of a forward that will
     be differentiated are computed by one GEMM and kept for backward instead of recomputed
-    chunk by chunk (2.5 GB in bfloat16 for 8k tokens of a 152k vocabulary).
+    chunk by chunk (2.5 GB in bfloat16 for 8k tokens of a 152k vocabulary). `tied`: the
+    slot of a `tied_embedding` of the same weight in this forward (its gradient rows then
+    go into this one's d(W) in place).
     """
     if chunk_tokens <= 0:
         raise ConfigError(f"chunk_tokens must be > 0, got {chunk_tokens}")
@@ -240,7 +254,14 @@ def chunked_token_logprobs(
         lm_head_weight.to(flat_h.dtype) if lm_head_weight.dtype != flat_h.dtype else lm_head_weight
     )
     logp, entropy = _LinearLogprobs.apply(
-        flat_h, weight, flat_t, chunk_tokens, float(temperature), return_entropy, keep_logits
+        flat_h,
+        weight,
+        flat_t,
+        chunk_tokens,
+        float(temperature),
+        return_entropy,
+        keep_logits,
+        tied if weight is lm_head_weight else None,  # a cast copy has its own gradient
     )
     if return_entropy:
         return logp.view(out_shape), entropy.view(out_shape)

@@ -113,6 +113,9 @@ def place_model(
     model = model.to(device=info.device, dtype=single_dtype)
     model.model.fused_norm = config.fused_norm
     model.uniform_attention = config.uniform_attention
+    model.tied_grad_rows = (
+        config.tied_grad_rows and trainable and not config.trunk_graphs and not is_distributed()
+    )
     for block in model.model.layers:
         block.self_attn.fused_rope = config.fused_rope  # type: ignore[union-attr]
         block.fused_norm = config.fused_norm  # type: ignore[union-attr]

@@ -5,6 +5,7 @@ in-place path really taken (no dense table gradient); and a tied model with
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipeline.models import CausalLM, ModelConfig
@@ -79,6 +80,7 @@ def test_rows_add_in_place_like_the_dense_gradient_interpreted() -> None:
     assert interpret(_script("cpu", "float32", exact=True)).strip() == "ok"
 
 
+@pytest.mark.gpu
 @needs_triton
 @needs_cuda
 def test_rows_add_in_place_like_the_dense_gradient_cuda() -> None:

@@ -117,6 +117,7 @@ PROFILE_KNOBS = (
     "trunk_graphs",
     "fused_norm",
     "uniform_attention",
+    "tied_grad_rows",
 )
 
 
@@ -305,6 +306,7 @@ def run_ours(
             "trunk_graphs": config.trunk_graphs,
             "fused_norm": config.fused_norm,
             "uniform_attention": config.uniform_attention,
+            "tied_grad_rows": config.tied_grad_rows,
             "keep_reference": kl,
             "use_kl_loss": kl,
         },

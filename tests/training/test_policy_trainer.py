@@ -275,6 +275,31 @@ def test_fused_norm_trains_identically(model_dir: Path):
             torch.testing.assert_close(other[name], value, atol=1e-6, rtol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize(
+    "precision, tol",
+    [({}, 1e-6), ({"param_dtype": "bfloat16", "fused_optimizer": True}, 3e-5)],
+    ids=["float32", "bf16-flat"],
+)
+def test_tied_gradient_rows_train_identically(model_dir: Path, precision: dict, tol: float):
+    """trainer.tied_grad_rows (on by default in one process; the tiny policy is tied): the
+    same updated weights as the dense embedding gradient, in float32 and in bf16 compute
+    with the flat optimizer reading the pending gradients (there within 3 % of one lr-sized
+    step after 4 updates: torch's CPU embedding backward sums a repeated token's rows in
+    bf16, the rows path in float32 as inductor's does on CUDA; a dropped embedding gradient
+    moves those rows by whole steps); the frozen reference keeps the plain lookup."""
+    states = []
+    for rows in (False, True):
+        config = CONFIG.replace(tied_grad_rows=rows, keep_reference=True, **precision)
+        trainer = PolicyTrainer(model_dir, config, AlgorithmConfig(use_kl_loss=True))
+        assert trainer.model.tied_grad_rows == rows
+        assert trainer.reference is not None and not trainer.reference.tied_grad_rows
+        for seed in (3, 4):
+            trainer.train_step(make_batch(seed=seed))
+        states.append(state_of(trainer.model))
+    for name, value in states[0].items():
+        torch.testing.assert_close(states[1][name], value, atol=tol, rtol=1e-6, msg=name)
+
+
 def test_compile_modes_and_which_replay_cuda_graphs():
     assert not CONFIG.cuda_graphs  # not compiled
     for mode, graphs in (("default", False), ("reduce-overhead", True), ("max-autotune", True)):

@@ -65,10 +65,14 @@ class _TiedEmbedding(torch.autograd.Function):
         rows = grad_out.reshape(ids.numel(), -1)
         target, ctx.slot.grad = ctx.slot.grad, None
         if target is None:  # as nn.Embedding: a dense gradient
-            dense = torch.zeros(ctx.table_shape, dtype=torch.float32, device=rows.device)
-            dense.index_add_(0, ids, rows.float())
-            return None, dense.to(ctx.table_dtype), None
+            return None, _dense(ctx.table_shape, ctx.table_dtype, ids, rows), None
         return None, add_rows_(target.contiguous(), ids, rows), None
+
+
+def _dense(shape: torch.Size, dtype: torch.dtype, ids: Tensor, rows: Tensor) -> Tensor:
+    """The dense table gradient of an embedding lookup: token rows summed in float32, cast."""
+    table = torch.zeros(shape, dtype=torch.float32, device=rows.device)
+    return table.index_add_(0, ids, rows.float()).to(dtype)
 
 
 def add_rows_(table: Tensor, ids: Tensor, rows: Tensor) -> Tensor:
@@ -78,9 +82,7 @@ def add_rows_(table: Tensor, ids: Tensor, rows: Tensor) -> Tensor:
     if ids.numel() == 0:
         return table
     if not _kernel_supported(table):
-        dense = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
-        dense.index_add_(0, ids, rows.float())
-        return table.add_(dense.to(table.dtype))
+        return table.add_(_dense(table.shape, table.dtype, ids, rows))
     sorted_ids, order = torch.sort(ids, stable=True)
     ends = torch.searchsorted(sorted_ids, sorted_ids, right=True)
     n, width = rows.shape

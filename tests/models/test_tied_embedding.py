@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.models import CausalLM, ModelConfig
+from pipeline.models import CausalLM
 
+from .conftest import FAMILY_CONFIGS
 from .triton_helpers import interpret, needs_cuda, needs_triton, run_script
 
 CHECK = """
@@ -94,22 +95,11 @@ def test_a_tied_model_trains_the_same_with_gradient_rows() -> None:
     output layer's gradient) gives the logits' log-probs and every parameter's gradient of
     the plain model, packed (with scored positions) and dense; on CPU the rows go in by the
     dense fallback."""
-    config = ModelConfig(
-        model_type="qwen2",
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        attention_bias=True,
-        tie_word_embeddings=True,
-    )
+    config = FAMILY_CONFIGS["qwen2_bias_tied"]
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 61, (1, 23), generator=g)
+    ids = torch.randint(0, config.vocab_size, (1, 23), generator=g)
     ids[0, :4] = 5
-    targets = torch.randint(0, 61, (1, 23), generator=g)
+    targets = torch.randint(0, config.vocab_size, (1, 23), generator=g)
     positions = torch.cat([torch.arange(9), torch.arange(14)])[None]
     cu = torch.tensor([0, 9, 23])
     scored = torch.tensor([3, 4, 5, 12, 13, 20, 21])

@@ -261,11 +261,8 @@ class GradTable:
         self.dtype = dtype
         self.base: Tensor | None = None
         self.deltas = torch.empty(len(counts), dtype=torch.int64, device=device)
-        self.partial = torch.empty(
-            triton.cdiv(self.blocks, NORM_GROUP) if triton is not None else 0,
-            dtype=torch.float32,
-            device=device,
-        )
+        programs = -(-self.blocks // NORM_GROUP)  # of the norm kernel: a partial sum each
+        self.partial = torch.empty(programs, dtype=torch.float32, device=device)
 
     def point_at(self, grads: list[Tensor]) -> bool:
         """Point the kernels at this step's gradients (each contiguous, of the table's
@@ -475,8 +472,9 @@ if triton is not None:
     ):
         acc = tl.zeros((BLOCK,), tl.float32)
         for j in range(GROUP):  # GROUP table blocks per program; past the last, zeros
-            pid = tl.minimum(tl.program_id(0) * GROUP + j, blocks - 1)
-            live = tl.program_id(0) * GROUP + j < blocks
+            pid = tl.program_id(0) * GROUP + j
+            live = pid < blocks
+            pid = tl.minimum(pid, blocks - 1)
             _, _, g, _ = _table_block(
                 g_base,
                 delta_ptr,

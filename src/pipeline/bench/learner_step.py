@@ -19,7 +19,9 @@ is timed two ways, in the same run:
                when it is submitted to the next step's (the device's time per step, its
                waits for the host included); reported: the median over all runs' steps,
                with each run's mean wall seconds per step and the host's seconds in
-               each submission (near the step's seconds, the host bounds the step).
+               each submission (ours waits there, at its optimizer, for the previous
+               step's outcome: in steady state it equals the step's seconds, whichever
+               side bounds it; the profiler tells which).
   drained      `--steps` single steps, each with the device drained before and after (the
                host's work before a step's first kernel is then exposed); the median.
 `--timing` picks the headline figures (default consecutive); the other timing's figures
@@ -156,7 +158,7 @@ def tagged_path(path: str | None, tag: str) -> str | None:
 
 # "drained": seconds per step; "consecutive": each step's seconds in runs of consecutive
 # steps; "consecutive_wall": each run's mean wall seconds per step; "consecutive_host": the
-# host's seconds in each submission (how far ahead of the device the host could run)
+# host's seconds in each submission (ours: waits for the previous step at its optimizer)
 Timings = dict[str, list[float]]
 
 
@@ -504,7 +506,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "seconds": {k: v["drained"] for k, v in seconds.items()},
         "seconds_consecutive": {k: v["consecutive"] for k, v in seconds.items()},
         "seconds_consecutive_wall": {k: v["consecutive_wall"] for k, v in seconds.items()},
-        # the host's seconds per submission: near the step's seconds, the host bounds it
+        # the host's seconds per submission (ours includes its wait for the previous step)
         "seconds_consecutive_host": {k: v["consecutive_host"] for k, v in seconds.items()},
         **per_system[args.timing],
         **{f"{k}_{other}": v for k, v in per_system[other].items()},

@@ -298,14 +298,14 @@ class GradTable:
         return self.partial.sum().sqrt()
 
     def step(self, flat: FlatAdamW, found_inf: Tensor, scale: Tensor | None, hyper: Hyper) -> None:
-        low = _bf16_copies(flat)
+        low, store_low = _low_args(flat)
         _adamw_table_kernel[(self.blocks,)](
             flat.masters,
             self.base,
             self.deltas,
             flat.exp_avg,
             flat.exp_avg_sq,
-            low if low is not None else flat.masters,
+            low,
             self.block_param,
             self.block_first,
             self.numel,
@@ -313,7 +313,7 @@ class GradTable:
             self.offset,
             *_update_args(flat, found_inf, scale, hyper),
             HAS_SCALE=scale is not None,
-            STORE_LOW=low is not None,
+            STORE_LOW=store_low,
             BLOCK=BLOCK,
             num_warps=8,
         )
@@ -326,6 +326,13 @@ def _bf16_copies(flat: FlatAdamW) -> Tensor | None:
     return low if low is not None and low.dtype == torch.bfloat16 else None
 
 
+def _low_args(flat: FlatAdamW) -> tuple[Tensor, bool]:
+    """The kernels' compute-copy pointer and STORE_LOW flag (without copies to write the
+    pointer is the masters', never stored through)."""
+    low = _bf16_copies(flat)
+    return (flat.masters, False) if low is None else (low, True)
+
+
 def _triton_runs(t: Tensor) -> bool:
     if triton is None:
         return False
@@ -334,17 +341,17 @@ def _triton_runs(t: Tensor) -> bool:
 
 def _triton_step(flat: FlatAdamW, found_inf: Tensor, scale: Tensor | None, hyper: Hyper) -> None:
     n = flat.layout.total
-    low = _bf16_copies(flat)
+    low, store_low = _low_args(flat)
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         flat.masters,
         flat.grads,
         flat.exp_avg,
         flat.exp_avg_sq,
-        low if low is not None else flat.masters,
+        low,
         n,
         *_update_args(flat, found_inf, scale, hyper),
         HAS_SCALE=scale is not None,
-        STORE_LOW=low is not None,
+        STORE_LOW=store_low,
         BLOCK=BLOCK,
         num_warps=8,
     )

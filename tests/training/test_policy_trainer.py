@@ -12,6 +12,7 @@ import torch
 
 from pipeline.algorithms import AlgorithmConfig
 from pipeline.errors import ConfigError
+from pipeline.models.layers import rows_follow
 from pipeline.training import BatchError, PolicyTrainer, TrainerConfig
 from pipeline.training.precision import ComputeWeights
 
@@ -298,6 +299,48 @@ def test_tied_gradient_rows_train_identically(model_dir: Path, precision: dict, 
         states.append(state_of(trainer.model))
     for name, value in states[0].items():
         torch.testing.assert_close(states[1][name], value, atol=tol, rtol=1e-6, msg=name)
+
+
+def test_packed_mlp_trains_identically(model_dir: Path):
+    """trainer.packed_mlp: gate and up as one GEMM over their concatenated weights and the
+    swiglu_packed op (its torch formula on CPU): the same updated weights over 4 updates as
+    two GEMMs and F.silu (float32; each parameter has its own storage, so the weights are
+    copied together)."""
+    states = []
+    for packed in (False, True):
+        trainer = PolicyTrainer(model_dir, CONFIG.replace(packed_mlp=packed), AlgorithmConfig())
+        mlps = [layer.mlp for layer in trainer.model.model.layers]
+        assert [(m.packed, m.adjacent) for m in mlps] == [(packed, False)] * len(mlps)
+        for seed in (3, 4):
+            trainer.train_step(make_batch(seed=seed))
+        states.append(state_of(trainer.model))
+    for name, value in states[0].items():
+        torch.testing.assert_close(states[1][name], value, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_packed_mlp_views_adjacent_weights_of_the_flat_buffers(model_dir: Path):
+    """With the flat optimizer (bf16 compute) gate's and up's masters and compute copies are
+    adjacent views of its buffers: the engine marks every MLP `adjacent`, and the
+    concatenation is then a view of them (AdjacentRows) that trains bit for bit like the
+    copy (adjacent forced off); a model whose weights are not adjacent is not marked."""
+    config = CONFIG.replace(packed_mlp=True, param_dtype="bfloat16", fused_optimizer=True)
+    states = []
+    for adjacent in (True, False):
+        trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
+        mlps = [layer.mlp for layer in trainer.model.model.layers]
+        assert all(m.adjacent for m in mlps)
+        with trainer.engine.compute_weights():
+            assert all(rows_follow(m.gate_proj.weight, m.up_proj.weight) for m in mlps)
+            assert mlps[0].gate_proj.weight.dtype == torch.bfloat16
+        for m in mlps:
+            m.adjacent = adjacent
+        for seed in (3, 4):
+            trainer.train_step(make_batch(seed=seed))
+        states.append(state_of(trainer.model))
+    for name, value in states[0].items():
+        torch.testing.assert_close(states[1][name], value, atol=0, rtol=0, msg=name)
+    plain = PolicyTrainer(model_dir, config.replace(flat_optimizer=False), AlgorithmConfig())
+    assert not any(layer.mlp.adjacent for layer in plain.model.model.layers)
 
 
 def test_compile_modes_and_which_replay_cuda_graphs():

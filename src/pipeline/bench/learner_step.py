@@ -118,6 +118,7 @@ PROFILE_KNOBS = (
     "fused_rope",
     "trunk_graphs",
     "fused_norm",
+    "packed_mlp",
     "uniform_attention",
     "tied_grad_rows",
 )
@@ -307,6 +308,7 @@ def run_ours(
             "fused_rope": config.fused_rope,
             "trunk_graphs": config.trunk_graphs,
             "fused_norm": config.fused_norm,
+            "packed_mlp": config.packed_mlp,
             "uniform_attention": config.uniform_attention,
             "tied_grad_rows": config.tied_grad_rows,
             "keep_reference": kl,

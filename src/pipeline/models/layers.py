@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.config import ModelConfig, RopeScaling
+from pipeline.models.swiglu_kernel import swiglu_packed
 
 
 class RMSNorm(nn.Module):
@@ -107,6 +108,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def rows_follow(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `b`'s rows are stored right after `a`'s in one storage (both contiguous, one
+    width and dtype): then `AdjacentRows` may view them as one tensor."""
+    return (
+        a.is_contiguous()
+        and b.is_contiguous()
+        and a.dtype == b.dtype
+        and a.shape[1:] == b.shape[1:]
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+    )
+
+
+class AdjacentRows(torch.autograd.Function):
+    """[a; b] as a view of their shared storage where `rows_follow(a, b)` (the caller checks
+    it once: here it is not traceable); the gradient splits back into views."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.rows = a.shape[0]
+        return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return grad[: ctx.rows], grad[ctx.rows :]
+
+
 class SwiGLU(nn.Module):
     """Gated MLP shared by all three families (HF names gate_proj/up_proj/down_proj)."""
 
@@ -117,11 +145,26 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         # set by `fuse_projections`: gate and up weights as views of one tensor
         self.gate_up_weight: torch.Tensor | None = None
+        # set by the trainer (`trainer.packed_mlp`): gate and up as one GEMM over their
+        # concatenated weights, SwiGLU by the one-pass op of swiglu_kernel.py; `adjacent`:
+        # up's weight is stored right after gate's (views of one flat buffer), so their
+        # concatenation is a view (`adjacent_rows`) instead of a copy
+        self.packed = False
+        self.adjacent = False
+
+    def check_adjacent(self) -> None:
+        """Set `adjacent` from where the gate and up weights are stored now (a caller that
+        moves them into one flat buffer calls this after)."""
+        self.adjacent = self.packed and rows_follow(self.gate_proj.weight, self.up_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:  # one GEMM instead of two (engines)
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
-        # training keeps two GEMMs: with one concatenated weight (as q/k/v) the compiled
-        # backward wrote d(gate, up) at 2.5 instead of 4.4 TB/s on an H200, +1.3 ms a step
+        if self.packed:
+            pair = (self.gate_proj.weight, self.up_proj.weight)
+            weight = AdjacentRows.apply(*pair) if self.adjacent else torch.cat(pair)
+            return self.down_proj(swiglu_packed(F.linear(x, weight)))
+        # two GEMMs and inductor's SwiGLU: with one concatenated weight the compiled backward
+        # wrote d(gate, up) through the split's view at 2.5 instead of 4.4 TB/s on an H200
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -95,6 +95,10 @@ class TrainerConfig:
     # norm_kernel.py): the norm's backward with its weight gradient in one kernel instead of
     # three; the torch formula where Triton cannot run
     fused_norm: bool = False
+    # the gated MLP's gate and up projections as one GEMM over their concatenated weights
+    # and SwiGLU by one Triton pass each way over its output (models/swiglu_kernel.py): one
+    # GEMM fewer each way and no strided split; the torch formula where Triton cannot run
+    packed_mlp: bool = False
     # a packed micro-batch whose sequences all have one length (no padding) attends as a
     # (sequences, length) causal batch: cuDNN's fused attention on CUDA (its forward and
     # backward 1.5x faster than flash varlen on the 0.5B shape on an H200), SDPA elsewhere.

@@ -21,6 +21,7 @@ from torch.profiler import record_function
 from pipeline.algorithms import LossAggMode
 from pipeline.log import get_logger
 from pipeline.models import CausalLM, DecoderBase, parallelize
+from pipeline.models.layers import SwiGLU
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from pipeline.training.config import TrainerConfig
@@ -119,6 +120,7 @@ def place_model(
     for block in model.model.layers:
         block.self_attn.fused_rope = config.fused_rope  # type: ignore[union-attr]
         block.fused_norm = config.fused_norm  # type: ignore[union-attr]
+        block.mlp.packed = config.packed_mlp  # type: ignore[union-attr]
     if isinstance(model, CausalLM):
         model.tie_weights()  # a conversion may have replaced the shared parameter
     if not trainable:
@@ -170,6 +172,9 @@ class TrainEngine:
             self._compute = ComputeWeights(self.model, dtype, flat=flat)
             if self._compute.layout is not None:
                 self._flat = FlatAdamW(self.optimizer, self._compute)
+                for module in self.model.modules():  # gate and up now share one buffer
+                    if isinstance(module, SwiGLU):
+                        module.check_adjacent()
         self._queued: tuple[Tensor, Tensor, Tensor] | None = None  # norm, skipped, bad loss
         self._staged: StagedStep | None = None  # a step ended by stage_step, not yet settled
         self.optimizer_steps = 0

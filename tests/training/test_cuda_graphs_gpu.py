@@ -51,6 +51,7 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
         ("reduce-overhead", "reduce-overhead", 64),
         ("options", "reduce-overhead", 64),
         ("trunk_graphs", "default", 64),
+        ("packed_mlp", "reduce-overhead", 64),
     ):
         model = CausalLM(config)
         model.load_state_dict(base.state_dict())
@@ -63,9 +64,13 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
             compile_mode=mode,
             pack_bucket_tokens=bucket,
             trunk_graphs=run == "trunk_graphs",
-            compile_options=options if run == "options" else {},
+            compile_options=options if run in ("options", "packed_mlp") else {},
+            packed_mlp=run == "packed_mlp",
         )
         trainer = PolicyTrainer(model, cfg, AlgorithmConfig(advantage_estimator="grpo"))
+        # packed: gate|up is a view of the flat optimizer's buffers inside the CUDA graphs
+        mlps = [layer.mlp for layer in trainer.model.model.layers]
+        assert [m.adjacent for m in mlps] == [run == "packed_mlp"] * len(mlps)
         counters.clear()
         metrics = [trainer.train_step(b) for b in batches]
         if mode == "reduce-overhead":
@@ -78,7 +83,7 @@ def test_cuda_graph_trunk_with_buckets_trains_like_the_compiled_trunk():
         results[run] = metrics
     plain_m = results["default"]
     plain = runs["default"]
-    graphed_runs = ("reduce-overhead", "options", "trunk_graphs")
+    graphed_runs = ("reduce-overhead", "options", "trunk_graphs", "packed_mlp")
     for graphed_m in (results[run] for run in graphed_runs):
         for a, b in zip(plain_m, graphed_m, strict=True):
             assert b["actor/skipped_updates"] == 0

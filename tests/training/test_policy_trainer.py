@@ -277,17 +277,21 @@ def test_fused_norm_trains_identically(model_dir: Path):
 
 
 @pytest.mark.parametrize(
-    "precision, tol",
-    [({}, 1e-6), ({"param_dtype": "bfloat16", "fused_optimizer": True}, 3e-5)],
+    "precision",
+    [{}, {"param_dtype": "bfloat16", "fused_optimizer": True}],
     ids=["float32", "bf16-flat"],
 )
-def test_tied_gradient_rows_train_identically(model_dir: Path, precision: dict, tol: float):
+def test_tied_gradient_rows_train_identically(model_dir: Path, precision: dict):
     """trainer.tied_grad_rows (on by default in one process; the tiny policy is tied): the
-    same updated weights as the dense embedding gradient, in float32 and in bf16 compute
-    with the flat optimizer reading the pending gradients (there within 3 % of one lr-sized
-    step after 4 updates: torch's CPU embedding backward sums a repeated token's rows in
-    bf16, the rows path in float32 as inductor's does on CUDA; a dropped embedding gradient
-    moves those rows by whole steps); the frozen reference keeps the plain lookup."""
+    same updated weights as the dense embedding gradient, in float32 (to 1e-6) and in bf16
+    compute with the flat optimizer reading the pending gradients. There the two differ by
+    rounding: torch's CPU embedding backward sums a repeated token's rows in bf16, the rows
+    path in float32 as inductor's does on CUDA, and Adam turns such differences in a
+    near-zero gradient into a whole lr-sized step of the other sign; so over 4 updates a few
+    weights (0.1 % in a probe; how many depends on the CPU's bf16 kernels) differ by up to
+    one step, the rest agree. A dropped embedding gradient moves 80 % of the table's
+    weights, and 15 % of all, by more than a tenth of a step (checked). The frozen
+    reference keeps the plain lookup."""
     states = []
     for rows in (False, True):
         config = CONFIG.replace(tied_grad_rows=rows, keep_reference=True, **precision)
@@ -297,8 +301,20 @@ def test_tied_gradient_rows_train_identically(model_dir: Path, precision: dict, 
         for seed in (3, 4):
             trainer.train_step(make_batch(seed=seed))
         states.append(state_of(trainer.model))
-    for name, value in states[0].items():
-        torch.testing.assert_close(states[1][name], value, atol=tol, rtol=1e-6, msg=name)
+    if not precision:
+        for name, value in states[0].items():
+            torch.testing.assert_close(states[1][name], value, atol=1e-6, rtol=1e-6, msg=name)
+        return
+    start = state_of(PolicyTrainer(model_dir, CONFIG, AlgorithmConfig()).model)
+    diff = {name: (states[1][name] - value).abs() for name, value in states[0].items()}
+    every = torch.cat([d.flatten() for d in diff.values()])
+    moved = torch.cat([(v - start[k]).abs().flatten() for k, v in states[0].items()])
+    tenth = 0.1 * CONFIG.lr
+    assert moved.mean() > 0.5 * CONFIG.lr  # 4 updates moved the weights ~2 lr on average
+    assert every.mean() < 0.05 * moved.mean()
+    assert (every > tenth).float().mean() < 0.02
+    assert (diff["model.embed_tokens.weight"] > tenth).float().mean() < 0.02
+    assert every.max() <= 8 * CONFIG.lr * 1.01  # each update: at most two opposite steps
 
 
 def test_packed_mlp_trains_identically(model_dir: Path):

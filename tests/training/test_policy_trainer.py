@@ -12,7 +12,7 @@ import torch
 
 from pipeline.algorithms import AlgorithmConfig
 from pipeline.errors import ConfigError
-from pipeline.models.layers import rows_follow
+from pipeline.models.layers import AdjacentRows, rows_follow
 from pipeline.training import BatchError, PolicyTrainer, TrainerConfig
 from pipeline.training.precision import ComputeWeights
 
@@ -435,3 +435,15 @@ def test_a_checkpoint_after_an_unread_step_settles_it_first(model_dir: Path, tmp
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert resumed.step == 2 and resumed.skipped_steps == 1
     assert resumed.engine.optimizer_steps == 1 and resumed.engine.lr == trainer.engine.lr
+
+
+def test_adjacent_rows_refuses_tensors_that_are_not_adjacent():
+    a, b = torch.zeros(3, 4), torch.zeros(2, 4)
+    assert not rows_follow(a, b)
+    with pytest.raises(ValueError, match="not stored after"):
+        AdjacentRows.apply(a, b)
+    flat = torch.arange(24.0, requires_grad=False)
+    a, b = flat[:12].view(3, 4), flat[12:20].view(2, 4)
+    assert rows_follow(a, b) and not rows_follow(b, a)
+    both = AdjacentRows.apply(a, b)
+    assert both.data_ptr() == a.data_ptr() and torch.equal(both, torch.cat([a, b]))

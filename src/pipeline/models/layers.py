@@ -122,11 +122,14 @@ def rows_follow(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class AdjacentRows(torch.autograd.Function):
-    """[a; b] as a view of their shared storage where `rows_follow(a, b)` (the caller checks
-    it once: here it is not traceable); the gradient splits back into views."""
+    """[a; b] as a view of their shared storage where `rows_follow(a, b)`; the gradient
+    splits back into views. The caller checks that once (`SwiGLU.check_adjacent`): it is
+    not traceable, so here it is checked only when running eagerly."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not torch.compiler.is_compiling() and not rows_follow(a, b):
+            raise ValueError("AdjacentRows: the second tensor is not stored after the first")
         ctx.rows = a.shape[0]
         return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride())
 
@@ -148,7 +151,7 @@ class SwiGLU(nn.Module):
         # set by the trainer (`trainer.packed_mlp`): gate and up as one GEMM over their
         # concatenated weights, SwiGLU by the one-pass op of swiglu_kernel.py; `adjacent`:
         # up's weight is stored right after gate's (views of one flat buffer), so their
-        # concatenation is a view (`adjacent_rows`) instead of a copy
+        # concatenation is a view (`AdjacentRows`) instead of a copy
         self.packed = False
         self.adjacent = False
 

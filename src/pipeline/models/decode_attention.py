@@ -15,9 +15,10 @@ dtype for the value product, as flash attention does); scale 1/sqrt(head_dim) as
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from pipeline.models.triton_support import half_kernel_runs
 
 try:
     import triton
@@ -32,14 +33,10 @@ BLOCK_N = 64  # positions per inner step
 def decode_kernel_supported(k_cache: torch.Tensor, num_heads: int) -> bool:
     """Whether `decode_attention` runs for this cache: Triton present, CUDA half precision (or
     the Triton interpreter, for tests), head_dim a power of two >= 16."""
-    if triton is None:
-        return False
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[-2]
     if head_dim < 16 or head_dim & (head_dim - 1) or num_heads % kv_heads:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return k_cache.is_cuda and k_cache.dtype in (torch.bfloat16, torch.float16)
+    return half_kernel_runs(k_cache)
 
 
 def decode_attention(

@@ -19,9 +19,9 @@ Numerics: float32 throughout, z = logits / temperature as in the torch versions.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from pipeline.models.triton_support import half_kernel_runs
 
 try:
     import triton
@@ -36,11 +36,7 @@ GRAD_BLOCK = 4096  # vocabulary entries per program of the gradient kernel
 def kernels_supported(logits: torch.Tensor) -> bool:
     """Triton present and CUDA half precision with unit stride over the vocabulary (or the
     Triton interpreter, for tests)."""
-    if triton is None or logits.dim() != 2 or logits.stride(-1) != 1:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16)
+    return logits.dim() == 2 and logits.stride(-1) == 1 and half_kernel_runs(logits)
 
 
 def logit_stats(

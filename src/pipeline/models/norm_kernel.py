@@ -24,10 +24,10 @@ autograd). Registered with torch.library so a compiled trunk calls it as one opa
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from pipeline.models.triton_support import half_kernel_runs
 
 try:
     import triton
@@ -40,11 +40,7 @@ ROW_PROGRAMS = 1024  # backward programs (each keeps a partial weight gradient)
 
 def kernel_supported(x: Tensor) -> bool:
     """Triton present and CUDA half precision (or the Triton interpreter, for tests)."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return half_kernel_runs(x)
 
 
 def _torch_forward(

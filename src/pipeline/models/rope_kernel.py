@@ -18,12 +18,11 @@ it as one opaque kernel (no graph break) and autograd pairs it with its backward
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from pipeline.models.layers import apply_rope
+from pipeline.models.triton_support import half_kernel_runs
 
 try:
     import triton
@@ -37,11 +36,7 @@ BLOCK_T = 16  # tokens per program (16 x 8 warps: among the fastest of 8-128 x 1
 def kernel_supported(x: Tensor, head_dim: int) -> bool:
     """Triton present, a power-of-two head_dim, and CUDA half precision (or the Triton
     interpreter, for tests)."""
-    if triton is None or head_dim < 2 or head_dim & (head_dim - 1):
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return head_dim >= 2 and not head_dim & (head_dim - 1) and half_kernel_runs(x)
 
 
 def _torch_forward(

@@ -18,11 +18,11 @@ ops. Registered with torch.library so a compiled trunk calls it as one opaque ke
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pipeline.models.triton_support import half_kernel_runs
 
 try:
     import triton
@@ -35,11 +35,7 @@ BLOCK = 2048  # elements of h per program (8 warps)
 
 def kernel_supported(x: Tensor) -> bool:
     """Triton present and CUDA half precision (or the Triton interpreter, for tests)."""
-    if triton is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return half_kernel_runs(x)
 
 
 def _torch_forward(gu: Tensor) -> Tensor:

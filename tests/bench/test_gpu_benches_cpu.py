@@ -90,8 +90,11 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         *("--trace", str(tmp_path / "trace.json.gz")),
         env={"PIPELINE_GIT_SHA": "0123abc"},  # a copied tree's commit, named by the caller
     )
-    # one timeline per timed trainer: ours, and the variant that ran (not the failed one)
+    # two timelines (one step; consecutive steps) per timed trainer: ours, and the variant
+    # that ran (not the failed one)
     assert sorted(p.name for p in tmp_path.glob("trace*")) == [
+        "trace-consecutive.json.gz",
+        "trace-v1-consecutive.json.gz",
         "trace-v1.json.gz",
         "trace.json.gz",
     ]
@@ -127,6 +130,14 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
         assert set(ranges) == {"train/forward", "train/backward", "train/optimizer"}
         assert all(ms > 0 for ms in ranges.values())
         assert sum(ranges.values()) <= config["profile"]["wall_ms"]
+        # and --steps consecutive submitted steps, with per-step figures
+        consecutive = config["profile_consecutive"]
+        assert consecutive["steps"] == 2
+        per_step = consecutive["per_step"]
+        assert per_step["wall_ms"] == pytest.approx(consecutive["wall_ms"] / 2, abs=1e-2)
+        ranges = consecutive["host_ms_per_range"]
+        assert all(ms > 0 for ms in ranges.values())
+        assert sum(ranges.values()) <= consecutive["wall_ms"]
     tps, _, mfu = figs[:3]
     # the headline is the consecutive timing; the drained one follows with its own baseline
     seconds = config["seconds_consecutive"]

@@ -279,11 +279,12 @@ def run_ours(
     )
     skipped = sum(m.get("actor/skipped_updates", 0.0) for m in [metrics, *results])
     progress(f"ours (kl={kl}, {overrides or 'profile'}): {rounded(runs)} s")
-    profiled = (
-        print_profile(step, device, rows=50, ranges=TRAIN_RANGES, trace=trace)
-        if args.torch_profile
-        else None
-    )
+    profiled, profiled_consecutive = None, None
+    if args.torch_profile:
+        profiled = print_profile(step, device, rows=50, ranges=TRAIN_RANGES, trace=trace)
+        profiled_consecutive = profile_consecutive(
+            trainer, experience, device, args.steps, tagged_path(trace, "consecutive")
+        )
     syncs = sync_sites(step, device) if args.sync_debug else None
     if skipped > 0:
         raise RuntimeError(f"the trainer skipped {skipped:.0f} updates (non-finite loss)")
@@ -318,9 +319,33 @@ def run_ours(
         "prox_logprobs_s": round(statistics.median(prox), 5),
         **({"optimizer_paths": optimizer} if optimizer else {}),
         **({"profile": profiled} if profiled else {}),
+        **({"profile_consecutive": profiled_consecutive} if profiled_consecutive else {}),
         **({"sync_sites": syncs} if syncs is not None else {}),
     }
     return runs, info
+
+
+def profile_consecutive(
+    trainer: Any, experience: Any, device: torch.device, steps: int, trace: str | None
+) -> dict[str, Any]:
+    """--torch-profile, as the headline timing runs steps: `steps` submitted back to back
+    (each queued before the previous one's result is read) under torch.profiler. Returns
+    print_profile's summary of the whole run with its wall and device-busy/idle ms and
+    kernel count per step (`per_step`): in steady state, whether the device idles."""
+
+    def run() -> None:
+        pending = None
+        for _ in range(steps):
+            queued = trainer.submit_step(experience)
+            if pending is not None:
+                pending.result()
+            pending = queued
+        if pending is not None:
+            pending.result()
+
+    summary = print_profile(run, device, rows=50, ranges=TRAIN_RANGES, trace=trace)
+    keys = ("wall_ms", "device_busy_ms", "device_idle_ms", "kernels")
+    return {**summary, "steps": steps, "per_step": {k: round(summary[k] / steps, 3) for k in keys}}
 
 
 def run_hf(
@@ -437,7 +462,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 variant_info[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             else:
                 variants[name] = runs
-                keep = ("trainer", "profile", "sync_sites")
+                keep = ("trainer", "profile", "profile_consecutive", "sync_sites")
                 variant_info[name] = {k: vinfo[k] for k in keep if k in vinfo}
             free_memory(device)
         ours_kl: Timings | None = None
@@ -607,11 +632,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled HF baseline")
     ap.add_argument("--kl", action="store_true", help="also time the KL-loss variant")
-    ap.add_argument("--torch-profile", action="store_true", help="print a torch.profiler table")
+    ap.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="print torch.profiler tables of one step and of --steps consecutive steps",
+    )
     ap.add_argument(
         "--trace",
         default=None,
-        help="with --torch-profile: write the timeline (.json[.gz]); variants add -v1, -v2...",
+        help="with --torch-profile: write the timelines (.json[.gz]; the consecutive steps' "
+        "with -consecutive); variants add -v1, -v2...",
     )
     ap.add_argument(
         "--sync-debug", action="store_true", help="list where a step makes the host wait (CUDA)"

@@ -333,15 +333,15 @@ def profile_consecutive(
     print_profile's summary of the whole run with its wall and device-busy/idle ms and
     kernel count per step (`per_step`): in steady state, whether the device idles."""
 
-    def run() -> None:
-        pending = None
-        for _ in range(steps):
-            queued = trainer.submit_step(experience)
-            if pending is not None:
-                pending.result()
-            pending = queued
-        if pending is not None:
-            pending.result()
+    def run() -> None:  # one run of the headline timing's loop (its figures not kept)
+        time_consecutive(
+            {},
+            lambda: trainer.submit_step(experience),
+            lambda pending: pending.result(),
+            device,
+            steps,
+            1,
+        )
 
     summary = print_profile(run, device, rows=50, ranges=TRAIN_RANGES, trace=trace)
     keys = ("wall_ms", "device_busy_ms", "device_idle_ms", "kernels")

@@ -124,6 +124,10 @@ PROFILE_KNOBS = (
 )
 
 
+# reported with them in the JSON (the bench sets or leaves these itself)
+REPORTED_KNOBS = ("param_dtype", "grad_clip", "flat_optimizer")
+
+
 def profile_knobs(path: Path | None) -> dict[str, Any]:
     if path is None:
         return {}
@@ -295,23 +299,7 @@ def run_ours(
         "params": trainer.engine.num_params,
         "trainer": {
             "profile": str(args.profile) if args.profile else None,
-            "param_dtype": config.param_dtype,
-            "max_tokens_per_micro_batch": config.max_tokens_per_micro_batch,
-            "padding_free": config.padding_free,
-            "logprob_chunk_tokens": config.logprob_chunk_tokens,
-            "logprob_keep_logits": config.logprob_keep_logits,
-            "grad_clip": config.grad_clip,
-            "compile": config.compile,
-            "compile_mode": config.compile_mode,
-            "compile_options": config.compile_options,
-            "pack_bucket_tokens": config.pack_bucket_tokens,
-            "flat_optimizer": config.flat_optimizer,
-            "fused_rope": config.fused_rope,
-            "trunk_graphs": config.trunk_graphs,
-            "fused_norm": config.fused_norm,
-            "packed_mlp": config.packed_mlp,
-            "uniform_attention": config.uniform_attention,
-            "tied_grad_rows": config.tied_grad_rows,
+            **{k: getattr(config, k) for k in (*PROFILE_KNOBS, *REPORTED_KNOBS)},
             "keep_reference": kl,
             "use_kl_loss": kl,
         },

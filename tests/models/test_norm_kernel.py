@@ -18,6 +18,7 @@ from .triton_helpers import (
 CHECK = (
     """
 import torch
+from pipeline.models import norm_kernel
 from pipeline.models.norm_kernel import add_rms_norm, kernel_supported
 
 def reference(x, delta, w, eps):
@@ -26,8 +27,16 @@ def reference(x, delta, w, eps):
 
 g = torch.Generator().manual_seed(0)
 eps = 1e-6
-for rows, hidden, with_delta, residual in ((37, 96, True, True), (5, 130, True, False),
-                                           (23, 64, False, False)):
+# the backward's tiling as the module sets it, then several rows a step over few programs
+# (rows left over in the last step, several steps each) and its partial sums in short steps
+tilings = ((norm_kernel.ROWS, norm_kernel.ROW_PROGRAMS, norm_kernel.FINISH_ROWS), (4, 3, 2))
+cases = ((37, 96, True, True), (5, 130, True, False), (23, 64, False, False))
+for (rows_per_step, programs, parts), (rows, hidden, with_delta, residual) in (
+    (t, c) for t in tilings for c in cases
+):
+    norm_kernel.ROWS, norm_kernel.ROW_PROGRAMS, norm_kernel.FINISH_ROWS = (
+        rows_per_step, programs, parts
+    )
     x = torch.randn(rows, hidden, generator=g).to(DEVICE, DTYPE)
     delta = torch.randn(rows, hidden, generator=g).to(DEVICE, DTYPE) if with_delta else None
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, DTYPE)

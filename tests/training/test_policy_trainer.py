@@ -3,6 +3,7 @@ critic-free advantages and the errors that name a fix."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from pipeline.models.layers import AdjacentRows, rows_follow
 from pipeline.training import BatchError, PolicyTrainer, TrainerConfig
 from pipeline.training.precision import ComputeWeights
 
-from ._helpers import make_batch, save_tiny_model, state_of
+from ._helpers import TINY, make_batch, save_tiny_model, state_of
 
 CONFIG = TrainerConfig(device="cpu", lr=1e-3, max_tokens_per_micro_batch=30, mini_batches=2)
 
@@ -334,29 +335,51 @@ def test_packed_mlp_trains_identically(model_dir: Path):
         torch.testing.assert_close(states[1][name], value, atol=1e-6, rtol=1e-6, msg=name)
 
 
-def test_packed_mlp_views_adjacent_weights_of_the_flat_buffers(model_dir: Path):
+# biases of 128 and 64 entries: multiples of the flat buffers' alignment, so they lie back to
+# back there too (TINY's 32 and 16 do not)
+ALIGNED_BIASES = TINY.replace(hidden_size=128, intermediate_size=96, head_dim=32)
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["tiny", "aligned-biases"])
+def test_packed_mlp_and_qkv_view_adjacent_weights_of_the_flat_buffers(
+    model_dir: Path, tmp_path: Path, aligned: bool
+):
     """With the flat optimizer (bf16 compute) gate's and up's masters and compute copies are
-    adjacent views of its buffers: the engine marks every MLP `adjacent`, and the
-    concatenation is then a view of them (AdjacentRows) that trains bit for bit like the
-    copy (adjacent forced off); a model whose weights are not adjacent is not marked."""
+    adjacent views of its buffers, and so are q's, k's and v's weights (and their biases
+    where their sizes keep the buffer's alignment): the engine marks those MLPs and
+    attentions `adjacent`, and the concatenations are then views of them (AdjacentRows)
+    that train bit for bit like the copies (adjacent forced off); a model whose weights
+    are not adjacent is not marked."""
+    if aligned:
+        model_dir = save_tiny_model(tmp_path / "model", ALIGNED_BIASES)
     config = CONFIG.replace(packed_mlp=True, param_dtype="bfloat16", fused_optimizer=True)
     states = []
     for adjacent in (True, False):
         trainer = PolicyTrainer(model_dir, config, AlgorithmConfig())
         mlps = [layer.mlp for layer in trainer.model.model.layers]
-        assert all(m.adjacent for m in mlps)
+        attns = [layer.self_attn for layer in trainer.model.model.layers]
+        assert attns[0].q_proj.bias is not None  # qwen2: the biases are grouped too
+        assert all(m.adjacent for m in mlps + attns)
+        assert all(a.adjacent_bias == aligned for a in attns)
         with trainer.engine.compute_weights():
             assert all(rows_follow(m.gate_proj.weight, m.up_proj.weight) for m in mlps)
+            for a, kind in itertools.product(attns, ("weight", "bias")):
+                q, k, v = (getattr(p, kind) for p in (a.q_proj, a.k_proj, a.v_proj))
+                follow = rows_follow(q, k) and rows_follow(k, v)
+                assert follow == (kind == "weight" or aligned), kind
             assert mlps[0].gate_proj.weight.dtype == torch.bfloat16
-        for m in mlps:
+        for m in mlps + attns:
             m.adjacent = adjacent
+        for a in attns:
+            a.adjacent_bias = adjacent and aligned
         for seed in (3, 4):
             trainer.train_step(make_batch(seed=seed))
         states.append(state_of(trainer.model))
     for name, value in states[0].items():
         torch.testing.assert_close(states[1][name], value, atol=0, rtol=0, msg=name)
     plain = PolicyTrainer(model_dir, config.replace(flat_optimizer=False), AlgorithmConfig())
-    assert not any(layer.mlp.adjacent for layer in plain.model.model.layers)
+    layers = plain.model.model.layers
+    assert not any(layer.mlp.adjacent or layer.self_attn.adjacent for layer in layers)
 
 
 def test_compile_modes_and_which_replay_cuda_graphs():
@@ -440,10 +463,20 @@ def test_a_checkpoint_after_an_unread_step_settles_it_first(model_dir: Path, tmp
 def test_adjacent_rows_refuses_tensors_that_are_not_adjacent():
     a, b = torch.zeros(3, 4), torch.zeros(2, 4)
     assert not rows_follow(a, b)
-    with pytest.raises(ValueError, match="not stored after"):
+    with pytest.raises(ValueError, match="not stored one after the other"):
         AdjacentRows.apply(a, b)
     flat = torch.arange(24.0, requires_grad=False)
     a, b = flat[:12].view(3, 4), flat[12:20].view(2, 4)
     assert rows_follow(a, b) and not rows_follow(b, a)
     both = AdjacentRows.apply(a, b)
     assert both.data_ptr() == a.data_ptr() and torch.equal(both, torch.cat([a, b]))
+    c = flat[20:24].view(1, 4)
+    with pytest.raises(ValueError, match="not stored one after the other"):
+        AdjacentRows.apply(a, c, b)
+    three = AdjacentRows.apply(*(t.detach() for t in (a, b, c)))
+    assert three.data_ptr() == a.data_ptr() and torch.equal(three, flat.view(6, 4))
+    # the gradient splits back by rows
+    leaves = flat.clone().requires_grad_()
+    views = leaves[:12].view(3, 4), leaves[12:20].view(2, 4), leaves[20:].view(1, 4)
+    AdjacentRows.apply(*views).mul(torch.arange(6.0)[:, None]).sum().backward()
+    assert torch.equal(leaves.grad, torch.arange(6.0).repeat_interleave(4))

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pipeline.models.config import ModelConfig
 from pipeline.models.decode_attention import decode_attention
 from pipeline.models.kv_cache import KVCache
-from pipeline.models.layers import RMSNorm, apply_rope
+from pipeline.models.layers import AdjacentRows, RMSNorm, all_rows_follow, apply_rope
 from pipeline.models.rope_kernel import rope_qkv
 
 
@@ -81,6 +81,10 @@ class Attention(nn.Module):
         self.qkv_bias: torch.Tensor | None = None
         # set by the trainer (`trainer.fused_rope`): RoPE by the one-pass op of rope_kernel.py
         self.fused_rope = False
+        # q/k/v weights (biases) stored back to back (views of one flat buffer: see
+        # `check_adjacent`), so their concatenation is a view (`AdjacentRows`), not a copy
+        self.adjacent = False
+        self.adjacent_bias = False
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttentionSpec
@@ -115,12 +119,36 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in out)
         return q, k, v
 
+    def _projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def row_groups(self) -> list[list[nn.Parameter]]:
+        projs = self._projections()
+        groups = [[m.weight for m in projs]]
+        biases = [m.bias for m in projs]
+        if all(b is not None for b in biases):
+            groups.append(biases)  # type: ignore[arg-type]
+        return groups
+
+    def check_adjacent(self) -> None:
+        """Set `adjacent` (`adjacent_bias`) from where the q/k/v weights (biases) are stored
+        now. (A flat buffer aligns each tensor's start: biases whose sizes are not multiples
+        of its alignment are not adjacent there.)"""
+        projs = self._projections()
+        biases = [m.bias for m in projs]
+        self.adjacent = all_rows_follow([m.weight for m in projs])
+        self.adjacent_bias = all(b is not None for b in biases) and all_rows_follow(biases)  # type: ignore[arg-type]
+
     def _concat_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        weight = torch.cat([m.weight for m in projs])  # (nq + 2 nk, hidden)
+        projs = self._projections()
+        weights = [m.weight for m in projs]
+        # (nq + 2 nk, hidden)
+        weight = AdjacentRows.apply(*weights) if self.adjacent else torch.cat(weights)
         biases = [m.bias for m in projs]
         if all(b is None for b in biases):
             return weight, None
+        if self.adjacent_bias:
+            return weight, AdjacentRows.apply(*biases)
         bias = torch.cat(
             [
                 b if b is not None else m.weight.new_zeros(m.out_features)

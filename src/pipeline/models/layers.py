@@ -6,7 +6,9 @@ transformers exactly so that native and HF logits agree to float32 round-off.
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -121,21 +123,57 @@ def rows_follow(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def all_rows_follow(parts: list[torch.Tensor]) -> bool:
+    """`rows_follow` for each consecutive pair: the parts lie back to back in one storage."""
+    return all(rows_follow(a, b) for a, b in itertools.pairwise(parts))
+
+
 class AdjacentRows(torch.autograd.Function):
-    """[a; b] as a view of their shared storage where `rows_follow(a, b)`; the gradient
-    splits back into views. The caller checks that once (`SwiGLU.check_adjacent`): it is
-    not traceable, so here it is checked only when running eagerly."""
+    """[a; b; ...] as a view of their shared storage where `all_rows_follow(parts)`; the
+    gradient splits back into views. The caller checks that once (`check_adjacent` of
+    SwiGLU and Attention): it is not traceable, so here it is checked only when running
+    eagerly."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if not torch.compiler.is_compiling() and not rows_follow(a, b):
-            raise ValueError("AdjacentRows: the second tensor is not stored after the first")
-        ctx.rows = a.shape[0]
-        return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride())
+    def forward(ctx, *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not torch.compiler.is_compiling() and not all_rows_follow(list(parts)):
+            raise ValueError("AdjacentRows: the tensors are not stored one after the other")
+        first = parts[0]
+        ctx.rows = [p.shape[0] for p in parts]
+        return first.as_strided((sum(ctx.rows), *first.shape[1:]), first.stride())
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        return grad[: ctx.rows], grad[ctx.rows :]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(grad.split(ctx.rows))
+
+
+def adjacent_order(model: nn.Module) -> list[nn.Parameter]:
+    """`model.parameters()` with each module's `row_groups()` (SwiGLU's gate and up weights,
+    Attention's q/k/v weights and biases) moved together, at the first member's place: a
+    flat buffer laid out in this order stores each group back to back."""
+    follow: dict[int, list[nn.Parameter]] = {}
+    later: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, RowGrouped):
+            for group in module.row_groups():
+                follow[id(group[0])] = group
+                later.update(id(p) for p in group[1:])
+    order: list[nn.Parameter] = []
+    for p in model.parameters():
+        if id(p) not in later:
+            order.extend(follow.get(id(p), [p]))
+    return order
+
+
+@runtime_checkable
+class RowGrouped(Protocol):
+    """A module whose weights may run as one tensor when stored back to back (SwiGLU's gate
+    and up, Attention's q/k/v): `adjacent_order` lays them out so, and whoever moved them
+    into one flat buffer calls `check_adjacent` after."""
+
+    def row_groups(self) -> list[list[nn.Parameter]]: ...
+
+    def check_adjacent(self) -> None: ...
 
 
 class SwiGLU(nn.Module):
@@ -154,6 +192,9 @@ class SwiGLU(nn.Module):
         # concatenation is a view (`AdjacentRows`) instead of a copy
         self.packed = False
         self.adjacent = False
+
+    def row_groups(self) -> list[list[nn.Parameter]]:
+        return [[self.gate_proj.weight, self.up_proj.weight]]
 
     def check_adjacent(self) -> None:
         """Set `adjacent` from where the gate and up weights are stored now (a caller that

@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from pipeline.algorithms import LossAggMode
 from pipeline.log import get_logger
 from pipeline.models import CausalLM, DecoderBase, parallelize
-from pipeline.models.layers import SwiGLU
+from pipeline.models.layers import RowGrouped
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
 from pipeline.training.config import TrainerConfig
@@ -172,8 +172,8 @@ class TrainEngine:
             self._compute = ComputeWeights(self.model, dtype, flat=flat)
             if self._compute.layout is not None:
                 self._flat = FlatAdamW(self.optimizer, self._compute)
-                for module in self.model.modules():  # gate and up now share one buffer
-                    if isinstance(module, SwiGLU):
+                for module in self.model.modules():  # gate|up and q|k|v share one buffer
+                    if isinstance(module, RowGrouped):
                         module.check_adjacent()
         self._queued: tuple[Tensor, Tensor, Tensor] | None = None  # norm, skipped, bad loss
         self._staged: StagedStep | None = None  # a step ended by stage_step, not yet settled

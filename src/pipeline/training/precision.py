@@ -42,6 +42,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from pipeline.models.layers import adjacent_order
 from pipeline.training.flat_adamw import FlatLayout
 
 # (tensors, data pointers, indices) -> all equal, in one C++ pass; CUDA builds of torch have
@@ -70,7 +71,8 @@ class ComputeWeights:
         """`flat`: masters, float32 gradient accumulators and compute copies as views of one
         flat buffer each (`layout`), for `FlatAdamW` to update in one kernel."""
         self.dtype = dtype
-        self.params: list[nn.Parameter] = list(model.parameters())  # shared ones once
+        # shared ones once; gate|up and q|k|v weights back to back (one GEMM operand each)
+        self.params: list[nn.Parameter] = adjacent_order(model)
         self._grads: list[Tensor | None] = [None] * len(self.params)  # float32 accumulators
         self.layout: FlatLayout | None = None
         self.flat_masters: Tensor | None = None

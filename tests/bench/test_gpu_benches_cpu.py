@@ -157,6 +157,14 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
     assert mfu["value"] == pytest.approx(expected, rel=1e-3)
     weights_only = 6 * config["params"] * tps["value"] / config["peak_flops"]
     assert config["mfu_6n"]["ours"] == pytest.approx(weights_only, rel=1e-3, abs=1e-4)
+    # executed: the output layer (vocab 8192 x hidden 256) skips the 16 prompt positions of
+    # each 64-token sequence; transformers' step has no such figure (it computes them all)
+    executed = config["flops_per_token"] - 6 * 8192 * 256 * 16 / 64
+    assert config["executed_flops_per_token"] == round(executed)
+    assert set(config["mfu_executed"]) == {"ours", "ours[logprob_keep_logits=true]"}
+    assert config["mfu_executed"]["ours"] == pytest.approx(
+        executed * tps["value"] / config["peak_flops"], rel=1e-3, abs=1e-4
+    )
 
 
 def test_mfu_definition_reproduces_the_reference_figures() -> None:

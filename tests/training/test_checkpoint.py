@@ -48,11 +48,15 @@ def _steps(trainer: PolicyTrainer, start: int, stop: int) -> list[float]:
 
 
 # flat: bfloat16 compute with the fused AdamW, i.e. the flat-buffer optimizer (flat_adamw.py),
-# whose state a load replaces and which must bind it again
+# whose state a load replaces and which must bind it again; also with its first moment in
+# bfloat16 (saved and restored as such)
+FLAT = CONFIG.replace(param_dtype="bfloat16", fused_optimizer=True)
+
+
 @pytest.mark.parametrize(
     "config",
-    [CONFIG, CONFIG.replace(param_dtype="bfloat16", fused_optimizer=True)],
-    ids=["float32", "flat"],
+    [CONFIG, FLAT, FLAT.replace(exp_avg_dtype="bfloat16")],
+    ids=["float32", "flat", "flat-bf16-moment"],
 )
 def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path: Path, config: TrainerConfig):
     model_dir = save_tiny_model(tmp_path / "model")
@@ -91,6 +95,8 @@ def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path: Path, config: T
     assert resumed.engine.optimizer_steps == config.ppo_epochs * config.mini_batches * TOTAL
     flat = resumed.engine._flat
     assert (flat is not None and not flat.disabled) == (config.param_dtype == "bfloat16")
+    if flat is not None:
+        assert flat.exp_avg.dtype == getattr(torch, config.exp_avg_dtype)
     for name, value in state_of(resumed.model).items():
         assert torch.equal(value, expected_state[name]), name
 

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pipeline.models.config import ModelConfig
 from pipeline.models.decode_attention import decode_attention
 from pipeline.models.kv_cache import KVCache
-from pipeline.models.layers import AdjacentRows, RMSNorm, all_rows_follow, apply_rope
+from pipeline.models.layers import RMSNorm, adjacent_rows, all_rows_follow, apply_rope
 from pipeline.models.rope_kernel import rope_qkv
 
 
@@ -143,12 +143,12 @@ class Attention(nn.Module):
         projs = self._projections()
         weights = [m.weight for m in projs]
         # (nq + 2 nk, hidden)
-        weight = AdjacentRows.apply(*weights) if self.adjacent else torch.cat(weights)
+        weight = adjacent_rows(weights) if self.adjacent else torch.cat(weights)
         biases = [m.bias for m in projs]
         if all(b is None for b in biases):
             return weight, None
         if self.adjacent_bias:
-            return weight, AdjacentRows.apply(*biases)
+            return weight, adjacent_rows(biases)  # type: ignore[arg-type]
         bias = torch.cat(
             [
                 b if b is not None else m.weight.new_zeros(m.out_features)

@@ -129,22 +129,30 @@ def all_rows_follow(parts: list[torch.Tensor]) -> bool:
 
 
 class AdjacentRows(torch.autograd.Function):
-    """[a; b; ...] as a view of their shared storage where `all_rows_follow(parts)`; the
-    gradient splits back into views. The caller checks that once (`check_adjacent` of
-    SwiGLU and Attention): it is not traceable, so here it is checked only when running
-    eagerly."""
+    """[a; b] as a view of their shared storage where `rows_follow(a, b)`; the gradient
+    splits back into views. The caller checks that once (`check_adjacent` of SwiGLU and
+    Attention): it is not traceable, so here it is checked only when running eagerly.
+    (Two operands: dynamo traced a variadic forward wrongly on a recompile, H200.)"""
 
     @staticmethod
-    def forward(ctx, *parts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if not torch.compiler.is_compiling() and not all_rows_follow(list(parts)):
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if not torch.compiler.is_compiling() and not rows_follow(a, b):
             raise ValueError("AdjacentRows: the tensors are not stored one after the other")
-        first = parts[0]
-        ctx.rows = [p.shape[0] for p in parts]
-        return first.as_strided((sum(ctx.rows), *first.shape[1:]), first.stride())
+        ctx.rows = a.shape[0]
+        return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride())
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(grad.split(ctx.rows))
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return grad[: ctx.rows], grad[ctx.rows :]
+
+
+def adjacent_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[p0; p1; ...] as one view where `all_rows_follow(parts)`: AdjacentRows pair by pair
+    (each view ends where the next part starts)."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = AdjacentRows.apply(out, part)
+    return out
 
 
 def adjacent_order(model: nn.Module) -> list[nn.Parameter]:

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from pipeline.algorithms import LossAggMode
+from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.models import CausalLM, DecoderBase, parallelize
 from pipeline.models.layers import RowGrouped
@@ -171,10 +172,17 @@ class TrainEngine:
             flat = self._device_updates and config.flat_optimizer
             self._compute = ComputeWeights(self.model, dtype, flat=flat)
             if self._compute.layout is not None:
-                self._flat = FlatAdamW(self.optimizer, self._compute)
+                moment = getattr(torch, config.exp_avg_dtype)
+                self._flat = FlatAdamW(self.optimizer, self._compute, exp_avg_dtype=moment)
                 for module in self.model.modules():  # gate|up and q|k|v share one buffer
                     if isinstance(module, RowGrouped):
                         module.check_adjacent()
+        if config.exp_avg_dtype != "float32" and self._flat is None:
+            raise ConfigError(
+                f"trainer.exp_avg_dtype = {config.exp_avg_dtype!r} needs the flat optimizer "
+                "(one process, bfloat16/float16 parameters, fused AdamW, flat_optimizer = "
+                "true); set trainer.exp_avg_dtype = 'float32' here"
+            )
         self._queued: tuple[Tensor, Tensor, Tensor] | None = None  # norm, skipped, bad loss
         self._staged: StagedStep | None = None  # a step ended by stage_step, not yet settled
         self.optimizer_steps = 0

@@ -4,7 +4,8 @@ torch's fused AdamW walks the ~290 tensors of a 0.5B model in many launches of a
 blocks each and reached ~2.9 TB/s on an H200 (4.7 ms a step). Here the float32 masters,
 their gradient accumulators (both set up flat by `ComputeWeights(flat=True)`) and Adam's two
 moments are views of four flat buffers, and one Triton kernel streams them once: 28 bytes
-per parameter. Parameters, gradients and optimizer state keep their per-parameter shapes and
+per parameter (24 with the first moment in bfloat16: `trainer.exp_avg_dtype`, computed in
+float32 and stored rounded to nearest). Parameters, gradients and optimizer state keep their per-parameter shapes and
 names, so checkpoints, exports and weight sync see nothing different.
 
 When an update has a single micro-batch, its bf16 gradients are not copied into the
@@ -115,9 +116,16 @@ def _update_args(
 class FlatAdamW:
     """Steps a torch AdamW's parameters through flat buffers (see the module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.AdamW, weights: ComputeWeights) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.AdamW,
+        weights: ComputeWeights,
+        *,
+        exp_avg_dtype: torch.dtype = torch.float32,
+    ) -> None:
         """`weights` must have been built with flat=True (it holds the masters and the
-        gradient accumulators); the moments' buffers are this object's."""
+        gradient accumulators); the moments' buffers are this object's, the first one in
+        `exp_avg_dtype` (float32 or bfloat16)."""
         if weights.layout is None or weights.flat_masters is None or weights.flat_grads is None:
             raise ValueError("FlatAdamW needs ComputeWeights(..., flat=True)")
         self.optimizer = optimizer
@@ -125,7 +133,9 @@ class FlatAdamW:
         self.params = weights.params
         self.layout = weights.layout
         self.masters, self.grads = weights.flat_masters, weights.flat_grads
-        self.exp_avg = self.layout.buffer(self.masters, torch.float32)
+        if exp_avg_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"FlatAdamW: exp_avg_dtype float32 or bfloat16, not {exp_avg_dtype}")
+        self.exp_avg = self.layout.buffer(self.masters, exp_avg_dtype)
         self.exp_avg_sq = self.layout.buffer(self.masters, torch.float32)
         self._steps: list[Tensor] = []
         self.disabled = False
@@ -152,9 +162,15 @@ class FlatAdamW:
         """Whether this step can run flat: one plain AdamW group, masters and gradients in
         place, state bound (re-bound if a load replaced it), step counts on the device.
         Once not (e.g. a parameter without a gradient, whose count the torch step then
-        leaves behind), the flat path stays off."""
+        leaves behind), the flat path stays off, and a bfloat16 first moment becomes
+        float32 state again (torch's AdamW steps it with the float32 masters)."""
         if not self.disabled:
             self.disabled = not self._check()
+            if self.disabled and self.exp_avg.dtype != torch.float32:
+                state = self.optimizer.state
+                for p in self.params:
+                    if "exp_avg" in state.get(p, {}):
+                        state[p]["exp_avg"] = state[p]["exp_avg"].float()
         return not self.disabled
 
     def _check(self) -> bool:
@@ -208,10 +224,12 @@ class FlatAdamW:
         elif _triton_runs(self.masters):
             _triton_step(self, found_inf, scale, hyper)
         else:
+            low_moment = self.exp_avg.dtype != torch.float32
+            exp_avg = self.exp_avg.float() if low_moment else self.exp_avg
             torch._fused_adamw_(
                 [self.masters],
                 [self.grads],
-                [self.exp_avg],
+                [exp_avg],
                 [self.exp_avg_sq],
                 [],
                 [self._steps[0].clone()],  # already incremented: the kernel reads it as is
@@ -225,6 +243,8 @@ class FlatAdamW:
                 grad_scale=scale,
                 found_inf=found_inf,
             )
+            if low_moment:
+                self.exp_avg.copy_(exp_avg)  # rounded to nearest, as the kernels store it
         # the schedule checks that the optimizer stepped before it (torch's flag for it)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return norm, found_inf
@@ -379,13 +399,14 @@ if triton is not None:
         HAS_SCALE: tl.constexpr,
         STORE_LOW: tl.constexpr,
     ):
-        """AdamW on the float32 masters and moments at `offs` with gradient `g`; with
-        STORE_LOW the new masters' compute copies too."""
+        """AdamW on the float32 masters and moments at `offs` with gradient `g` (a bf16
+        first moment is read into float32 and stored rounded); with STORE_LOW the new
+        masters' compute copies too."""
         if HAS_SCALE:
             g = g / tl.load(scale_ptr)
         step = tl.load(step_ptr).to(tl.float32)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         p = p - lr * weight_decay * p
         m = beta1 * m + (1.0 - beta1) * g
@@ -394,7 +415,10 @@ if triton is not None:
         bias2_sqrt = tl.sqrt(1.0 - tl.exp(step * tl.log(beta2)))
         p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
         tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
+        if m_ptr.dtype.element_ty == tl.bfloat16:  # the first moment in bf16, rounded
+            tl.store(m_ptr + offs, to_bf16(m), mask=mask)
+        else:
+            tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         if STORE_LOW:
             tl.store(low_ptr + offs, to_bf16(p), mask=mask)

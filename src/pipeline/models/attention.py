@@ -119,11 +119,9 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in out)
         return q, k, v
 
-    def _projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
-        return self.q_proj, self.k_proj, self.v_proj
-
     def row_groups(self) -> list[list[nn.Parameter]]:
-        projs = self._projections()
+        """The q/k/v weights, then their biases where all three have one."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
         groups = [[m.weight for m in projs]]
         biases = [m.bias for m in projs]
         if all(b is not None for b in biases):
@@ -134,13 +132,12 @@ class Attention(nn.Module):
         """Set `adjacent` (`adjacent_bias`) from where the q/k/v weights (biases) are stored
         now. (A flat buffer aligns each tensor's start: biases whose sizes are not multiples
         of its alignment are not adjacent there.)"""
-        projs = self._projections()
-        biases = [m.bias for m in projs]
-        self.adjacent = all_rows_follow([m.weight for m in projs])
-        self.adjacent_bias = all(b is not None for b in biases) and all_rows_follow(biases)  # type: ignore[arg-type]
+        groups = self.row_groups()
+        self.adjacent = all_rows_follow(groups[0])
+        self.adjacent_bias = len(groups) > 1 and all_rows_follow(groups[1])
 
     def _concat_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        projs = self._projections()
+        projs = (self.q_proj, self.k_proj, self.v_proj)
         weights = [m.weight for m in projs]
         # (nq + 2 nk, hidden)
         weight = adjacent_rows(weights) if self.adjacent else torch.cat(weights)

@@ -98,8 +98,8 @@ class TrainerConfig:
     # formula runs elsewhere), models without q/k norms
     fused_rope: bool = False
     # every residual add inside the next RMSNorm, both in one Triton pass each way (models/
-    # norm_kernel.py): the norm's backward with its weight gradient in one kernel instead of
-    # three; the torch formula where Triton cannot run
+    # norm_kernel.py): the norm's backward in one kernel and its weight gradient's final sum
+    # in a second, instead of inductor's three; the torch formula where Triton cannot run
     fused_norm: bool = False
     # the gated MLP's gate and up projections as one GEMM over their concatenated weights
     # and SwiGLU by one Triton pass each way over its output (models/swiglu_kernel.py): one

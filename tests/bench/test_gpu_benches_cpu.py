@@ -167,6 +167,28 @@ def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
     )
 
 
+def test_kernels_tiny_cpu(tmp_path: Path) -> None:
+    """The kernels bench on CPU: every op of the learner step it covers, timed against its
+    formula (eager here, so the two are the same code) with the copy bandwidth as bound."""
+    figs, _ = run_bench("kernels", tmp_path, "--reps", "2", "--repeats", "2")
+    ops = ["norm_forward", "norm_backward", "swiglu_forward", "swiglu_backward"]
+    ops += ["rope_forward", "rope_backward", "logit_stats", "logit_grad"]
+    assert [f["figure"] for f in figs] == [f"{op}_gb_per_s" for op in ops]
+    for op, fig in zip(ops, figs, strict=True):
+        check_common(fig, "kernels")
+        config = fig["config"]
+        assert fig["baseline"] == f"torch_eager_{op}"
+        assert config["tokens"] == 256 and config["logit_rows"] == 64
+        us = config["us"]
+        assert set(us) == {"ours", "torch_eager"}
+        assert fig["value"] == pytest.approx(config["bytes"] / us["ours"] / 1e3, rel=1e-2)
+        assert len({f["bound"] for f in figs}) == 1  # one copy bandwidth for all
+    by_op = {op: f["config"]["bytes"] for op, f in zip(ops, figs, strict=True)}
+    # tiny shape, float32: hidden 256, vocab 8192
+    assert by_op["norm_forward"] == 4 * 256 * 256 * 4 + 4 * 256
+    assert by_op["logit_grad"] == 2 * by_op["logit_stats"] == 2 * 64 * 8192 * 4
+
+
 def test_mfu_definition_reproduces_the_reference_figures() -> None:
     """BENCHMARKS.md's reference transformers steps on the 0.5B shape at 16 x 512 (eager
     83k tokens/s = 25.5 %, compiled 131k = 40.2 % of 989 TFLOP/s) are the causal-attention
@@ -185,7 +207,9 @@ def test_all_gpu_bookkeeping(tmp_path: Path) -> None:
     assert all_gpu.device_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
     assert all_gpu.device_slug("cpu (AMD EPYC)") == "cpu"
     names = [j.bench for j in all_gpu.jobs("cuda")]
-    assert names == ["weight_sync", "weight_sync", "rollout_decode", "learner_step", "e2e"]
+    assert names == [
+        *("weight_sync", "weight_sync", "rollout_decode", "learner_step", "kernels", "e2e")
+    ]
 
     missing = all_gpu.Job("nope", "no_such_bench_module", [])
     skipped = all_gpu.run_job(missing, "cuda", 100.0, tmp_path)

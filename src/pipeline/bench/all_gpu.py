@@ -62,6 +62,7 @@ def jobs(device: str) -> list[Job]:
         *(Job(f"weight_sync {s}", "weight_sync", [*dev, "--shape", s]) for s in sync_shapes),
         Job(f"rollout_decode {shape}", "rollout_decode", [*dev, "--shape", shape]),
         Job(f"learner_step {shape}", "learner_step", [*dev, "--shape", shape]),
+        Job(f"kernels {shape}", "kernels", [*dev, "--shape", shape]),
         *e2e_jobs(device),
     ]
 

@@ -39,7 +39,6 @@ from torch import Tensor
 
 from pipeline.bench.common import cpu_device, emit, figure, table
 from pipeline.bench.shapes import SHAPES
-from pipeline.models import logit_stats as stats_kernels
 from pipeline.models import logprobs, norm_kernel, rope_kernel, swiglu_kernel
 
 BENCH = "kernels"
@@ -83,7 +82,10 @@ def cases(config: Any, tokens: int, logit_rows: int, device: torch.device) -> li
     dq, dk, dv = randn(tokens, heads, hd), randn(tokens, kv, hd), randn(tokens, kv, hd)
     logits = randn(logit_rows, vocab) * 3
     targets = torch.randint(0, vocab, (logit_rows,), device=device, generator=gen)
-    _, lse, entropy = stats_kernels_or_formula(logits, targets)
+    # the passes as the trainer runs them: Triton where it runs, else the torch formula
+    passes = logprobs._Kernels()
+    stats, grad = passes.get("stats", device), passes.get("grad", device)
+    _, lse, entropy = stats(logits, targets, 1.0, True)
     g_logp = torch.randn(logit_rows, device=device, generator=gen)
     g_ent = torch.zeros_like(g_logp)
     rows = tokens * h * item
@@ -127,30 +129,16 @@ def cases(config: Any, tokens: int, logit_rows: int, device: torch.device) -> li
         Case(
             "logit_stats",  # the logits read once
             logit_rows * vocab * item,
-            lambda: stats_kernels_or_formula(logits, targets),
+            lambda: stats(logits, targets, 1.0, True),
             lambda: logprobs._logit_stats(logits, targets, 1.0, True),
         ),
         Case(
             "logit_grad",  # the logits read, their gradient written
             2 * logit_rows * vocab * item,
-            lambda: grad_kernel_or_formula(logits, targets, lse, g_logp, g_ent, entropy),
+            lambda: grad(logits, targets, lse, g_logp, g_ent, entropy, 1.0),
             lambda: logprobs._logit_grad(logits, targets, lse, g_logp, g_ent, entropy, 1.0),
         ),
     ]
-
-
-def stats_kernels_or_formula(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The statistics as the trainer computes them (with entropy)."""
-    if stats_kernels.kernels_supported(logits):
-        return stats_kernels.logit_stats(logits, targets, 1.0, True)
-    return logprobs._logit_stats(logits, targets, 1.0, True)
-
-
-def grad_kernel_or_formula(*args: Tensor) -> Tensor:
-    """The logits' gradient as the trainer computes it."""
-    if stats_kernels.kernels_supported(args[0]):
-        return stats_kernels.logit_grad(*args, 1.0)
-    return logprobs._logit_grad(*args, 1.0)
 
 
 def seconds_per_call(

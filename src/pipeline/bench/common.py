@@ -97,6 +97,18 @@ def _num(x: float, digits: int = 6) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def device_defaults(args: Any, defaults: dict[str, dict[str, Any]]) -> None:
+    """Fill a GPU bench's arguments in place: --device left out is cuda where there is one,
+    else cpu; then every option of `defaults[device]` left out (None) takes its value."""
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for key, value in defaults[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def figure(
     bench: str,
     name: str,

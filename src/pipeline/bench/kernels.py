@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeline.bench.common import cpu_device, emit, figure, table
+from pipeline.bench.common import cpu_device, device_defaults, emit, figure, table
 from pipeline.bench.shapes import SHAPES
 from pipeline.models import logprobs, norm_kernel, rope_kernel, swiglu_kernel
 
@@ -236,11 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3, help="calls of each op before timing")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    for key, value in DEFAULTS[args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    device_defaults(args, DEFAULTS)
     if min(args.tokens, args.logit_rows, args.reps, args.repeats) < 1 or args.warmup < 0:
         raise SystemExit("--tokens, --logit-rows, --reps, --repeats >= 1 and --warmup >= 0")
     if args.threads:

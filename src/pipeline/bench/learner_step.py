@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.common import emit, figure, table
+from pipeline.bench.common import device_defaults, emit, figure, table
 from pipeline.bench.optimizer_paths import optimizer_paths
 from pipeline.bench.profiling import print_profile, sync_sites
 from pipeline.bench.rollout_decode import (
@@ -686,13 +686,9 @@ def main(argv: list[str] | None = None) -> None:
         "next to ours in the same run",
     )
     args = ap.parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_defaults(args, DEFAULTS)
     if args.profile is None and args.device == "cuda":
         args.profile = Path(__file__).resolve().parents[3] / "profiles" / "h200-single.toml"
-    for key, value in DEFAULTS[args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     if args.prompt is None:
         args.prompt = args.seq // 4
     if (

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.common import cpu_device, emit, figure, table
+from pipeline.bench.common import cpu_device, device_defaults, emit, figure, table
 from pipeline.bench.profiling import print_profile
 from pipeline.bench.shapes import SHAPES
 from pipeline.models import CausalLM, ModelConfig, save_model
@@ -482,11 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         help="also time the engine without host overlap and the decode kernel",
     )
     args = ap.parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    for key, value in DEFAULTS[args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    device_defaults(args, DEFAULTS)
     if args.prompt < 1 or args.new < 1 or args.repeats < 1 or args.warmup < 0:
         raise SystemExit("--prompt, --new and --repeats must be >= 1, --warmup >= 0")
     if args.threads:

@@ -14,8 +14,8 @@ gradient (logit_stats.py). Measured per call:
   baseline  the op's torch formula (the trainer's fallback), under `torch.compile` on CUDA
             (inductor's fused kernels: what the compiled trunk would run without ours),
             eager on CPU
-  bound     the device's copy bandwidth measured in the same run (bytes read + written by a
-            copy of a 1 GiB tensor on CUDA, 64 MiB on CPU)
+  bound     the device's copy bandwidth measured in the same run (rollout_decode's: bytes
+            read + written by copies of 1 GiB on CUDA, 64 MiB on CPU)
 GB/s = the bytes the op must move at least (its inputs read once, outputs written once) /
 seconds. On CUDA each timing replays `--reps` calls captured in one CUDA graph, so the host's
 launch cost is not in it (a plain launch loop measured ~68 us a call for ~22 us kernels);
@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeline.bench.common import cpu_device, device_defaults, emit, figure, table
+from pipeline.bench.common import device_defaults, emit, figure, table
+from pipeline.bench.rollout_decode import bench_dtype, copy_bandwidth, device_label
 from pipeline.bench.shapes import SHAPES
 from pipeline.models import logprobs, norm_kernel, rope_kernel, swiglu_kernel
 
@@ -60,7 +61,7 @@ class Case:
 
 def cases(config: Any, tokens: int, logit_rows: int, device: torch.device) -> list[Case]:
     """The ops at a model config's shapes, inputs drawn once (bf16 on CUDA, float32 on CPU)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = bench_dtype(device)
     gen = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape: int) -> Tensor:
@@ -68,7 +69,7 @@ def cases(config: Any, tokens: int, logit_rows: int, device: torch.device) -> li
 
     h, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    width, vocab, item = (heads + 2 * kv) * hd, config.vocab_size, randn(1).element_size()
+    width, vocab, item = (heads + 2 * kv) * hd, config.vocab_size, dtype.itemsize
     eps = config.rms_norm_eps
 
     x, delta, dy, ds_in = (randn(tokens, h) for _ in range(4))
@@ -174,21 +175,12 @@ def seconds_per_call(
     return statistics.median(times)
 
 
-def copy_bandwidth(device: torch.device, reps: int, repeats: int) -> float:
-    """Bytes read + written per second by a plain copy (1 GiB on CUDA, 64 MiB on CPU)."""
-    n = (1 << 30 if device.type == "cuda" else 1 << 26) // 4
-    src = torch.ones(n, device=device)
-    dst = torch.empty_like(src)
-    seconds = seconds_per_call(lambda: dst.copy_(src), device, reps, repeats)
-    return 2 * src.numel() * src.element_size() / seconds
-
-
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     config = SHAPES[args.shape]
-    bound = copy_bandwidth(device, args.reps, args.repeats) / 1e9
+    bound = copy_bandwidth(device) / 1e9
     baseline = "torch_compile" if device.type == "cuda" else "torch_eager"
     figures = []
     for case in cases(config, args.tokens, args.logit_rows, device):
@@ -204,7 +196,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "timing": f"median of {args.repeats} replays of {args.reps} calls "
             + ("in one CUDA graph" if device.type == "cuda" else "(wall time)"),
             "bound": "copy bandwidth (read + written) measured in this run",
-            "dtype": "bfloat16" if device.type == "cuda" else "float32",
+            "dtype": str(bench_dtype(device)).removeprefix("torch."),
             "torch": torch.__version__,
         }
         figures.append(
@@ -216,9 +208,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 baseline_value=case.bytes / theirs / 1e9,
                 bound=bound,
                 config=cfg,
-                device=torch.cuda.get_device_name(device)
-                if device.type == "cuda"
-                else cpu_device(),
+                device=device_label(device),
             )
         )
     return figures

@@ -207,7 +207,7 @@ class SwiGLU(nn.Module):
     def check_adjacent(self) -> None:
         """Set `adjacent` from where the gate and up weights are stored now (a caller that
         moves them into one flat buffer calls this after)."""
-        self.adjacent = self.packed and rows_follow(self.gate_proj.weight, self.up_proj.weight)
+        self.adjacent = self.packed and all_rows_follow(self.row_groups()[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:  # one GEMM instead of two (engines)

@@ -5,8 +5,9 @@ blocks each and reached ~2.9 TB/s on an H200 (4.7 ms a step). Here the float32 m
 their gradient accumulators (both set up flat by `ComputeWeights(flat=True)`) and Adam's two
 moments are views of four flat buffers, and one Triton kernel streams them once: 28 bytes
 per parameter (24 with the first moment in bfloat16: `trainer.exp_avg_dtype`, computed in
-float32 and stored rounded to nearest). Parameters, gradients and optimizer state keep their per-parameter shapes and
-names, so checkpoints, exports and weight sync see nothing different.
+float32 and stored rounded to nearest). Parameters, gradients and optimizer state keep
+their per-parameter shapes and names, so checkpoints, exports and weight sync see nothing
+different.
 
 When an update has a single micro-batch, its bf16 gradients are not copied into the
 float32 accumulators at all (`ComputeWeights(defer=True)` leaves them pending): `GradTable`

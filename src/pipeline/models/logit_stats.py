@@ -8,7 +8,8 @@ per read for 6k tokens. Here one program streams one row once with an online sof
 running maximum m, and per lane the running sums of exp(z - m) and exp(z - m) * z, both
 rescaled by exp(m_old - m_new) when the maximum grows and summed across lanes only at the
 end (one block-wide reduction per step, the maximum, instead of three), so lse = m + log s
-and the entropy H = lse - t / s. The target's logit is one extra load.
+and the entropy H = lse - t / s; the next block's load is issued before the current one is
+reduced. The target's logit is one extra load.
 
 The backward's d(loss)/d(logits) (`logprobs._logit_grad`) is elementwise given the row's
 (lse, entropy, upstream gradients): `logit_grad` runs it on a (row, vocabulary block) grid,
@@ -29,7 +30,11 @@ try:
 except ImportError:  # CPU installs: the torch version serves
     triton = None  # type: ignore[assignment]
 
-BLOCK = 4096  # vocabulary entries per inner step of the statistics kernel
+# vocabulary entries per inner step of the statistics kernel, and its warps: with the next
+# block's load issued before the current one is reduced, 403 us for 4096 rows of the 152k
+# vocabulary on an H200 (3.1 TB/s) against 473 us for 4096 x 8 warps without it (CUDA graph)
+BLOCK = 2048
+STATS_WARPS = 4
 GRAD_BLOCK = 4096  # vocabulary entries per program of the gradient kernel
 
 
@@ -60,7 +65,7 @@ def logit_stats(
             WITH_ENTROPY=with_entropy,
             SCALED=temperature != 1.0,
             BLOCK=BLOCK,
-            num_warps=8,
+            num_warps=STATS_WARPS,
         )
     return logp, lse, entropy
 
@@ -117,10 +122,13 @@ if triton is not None:
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((BLOCK,), tl.float32)  # per lane, rescaled to the running maximum
         t = tl.zeros((BLOCK,), tl.float32)
+        ahead = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
         for start in range(0, vocab, BLOCK):
             cols = start + offs
             inside = cols < vocab
-            z = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
+            z = ahead.to(tl.float32)
+            # the next block in flight while this one is reduced
+            ahead = tl.load(base + cols + BLOCK, mask=cols + BLOCK < vocab, other=float("-inf"))
             if SCALED:
                 z = z / temperature
             new_m = tl.maximum(m, tl.max(z, 0))

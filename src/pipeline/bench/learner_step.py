@@ -125,6 +125,7 @@ PROFILE_KNOBS = (
     "uniform_attention",
     "tied_grad_rows",
     "exp_avg_dtype",
+    "compile_loss",
 )
 
 

@@ -332,7 +332,9 @@ class CausalLM(DecoderBase):
         else:
             hidden = self._dense(input_ids, position_ids, attention_mask, embeds=embeds)
         if score_index is not None:
-            hidden = hidden.reshape(-1, hidden.shape[-1])[score_index]  # (n, hidden)
+            # index_select: its backward is one index_add (score_index holds distinct
+            # positions); advanced indexing's sorts the indices first (~9 kernels on a GPU)
+            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_index)
             target_ids = target_ids.reshape(-1)[score_index]  # (n,)
         return chunked_token_logprobs(
             hidden,

@@ -83,7 +83,8 @@ def add_rows_(table: Tensor, ids: Tensor, rows: Tensor) -> Tensor:
         return table
     if not _kernel_supported(table):
         return table.add_(_dense(table.shape, table.dtype, ids, rows))
-    sorted_ids, order = torch.sort(ids, stable=True)
+    # int32 keys (a vocabulary under 2^31): a radix sort of half the passes of int64's
+    sorted_ids, order = torch.sort(ids.to(torch.int32), stable=True)
     ends = torch.searchsorted(sorted_ids, sorted_ids, right=True)
     n, width = rows.shape
     _add_rows_kernel[(n,)](

@@ -82,6 +82,9 @@ class TrainerConfig:
     # graphs, and inductor benchmarks Triton GEMM templates against cuBLAS per shape at
     # compile time: minutes more of compilation)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    # the micro-batch's policy loss and metrics (training/loss_terms.py) as one compiled
+    # function, dynamic shapes: a few fused kernels each way instead of ~190 small ones
+    compile_loss: bool = False
     # inductor options of that compilation on top of the mode's, e.g.
     # {"triton.mix_order_reduction" = false, "triton.enable_pdl" = true}: names and types
     # as in torch._inductor.config (checked when the config is built); the sharded trainer

@@ -34,7 +34,7 @@ from pipeline.training.distributed import (
 )
 from pipeline.training.export import export_hf
 from pipeline.training.flat_adamw import FlatAdamW
-from pipeline.training.metrics import MetricSums, split_values
+from pipeline.training.metrics import Metrics, MetricSums, split_values
 from pipeline.training.micro_batching import MicroBatch, plan_step
 from pipeline.training.optim import (
     build_optimizer,
@@ -58,7 +58,7 @@ class UpdateOutcome:
 
 # (device micro-batch, host micro-batch) -> (loss or None for a dummy, anchor, metrics); the
 # anchor (0 * outputs) is backpropagated only for dummies, to run FSDP's collectives
-MicroLoss = Callable[[MicroBatch, MicroBatch], tuple[Tensor | None, Tensor, dict[str, Tensor]]]
+MicroLoss = Callable[[MicroBatch, MicroBatch], tuple[Tensor | None, Tensor, Metrics]]
 
 
 @dataclass
@@ -395,8 +395,7 @@ class TrainEngine:
                                 self._compute.flush()
                         bad |= ~torch.isfinite(loss.detach())
                         stats.local_tokens += mb.num_tokens
-                        for key, value in metrics.items():
-                            sums.add(key, value * share)
+                        sums.add_all(metrics, scale=share)
                 with record_function("train/optimizer"):
                     self.settle_into(stats)  # the previous update: one host sync
                     if self._device_updates and plan.global_units > 0:

@@ -9,13 +9,26 @@ must all-reduce identical vectors.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from pipeline.training.distributed import all_reduce_, collective_device, is_distributed
 from pipeline.training.transfer import to_device
+
+
+@dataclass(frozen=True)
+class MetricVector:
+    """Values of named sums as one (len(keys),) tensor: added to MetricSums in one op."""
+
+    keys: tuple[str, ...]
+    values: Tensor
+
+
+Metrics = Mapping[str, Tensor | float] | MetricVector
+_INDICES: dict[tuple[tuple[str, ...], tuple[str, ...], torch.device], Tensor] = {}
 
 
 class MetricSums:
@@ -54,6 +67,33 @@ class MetricSums:
             view += value.detach().to(view)  # type: ignore[union-attr]
         else:
             self._host_sums[key] += float(value)
+
+    def add_all(self, metrics: Metrics, scale: float = 1.0) -> None:
+        """Add every value times `scale`; a MetricVector on the device in one index_add."""
+        if not isinstance(metrics, MetricVector):
+            for key, value in metrics.items():
+                self.add(key, value * scale)
+            return
+        missing = [k for k in metrics.keys if k not in self._sums]
+        if missing:
+            raise KeyError(f"metrics {missing} were not declared; declared: {self.sum_keys}")
+        if not self._on_device(metrics.values):
+            for key, value in zip(metrics.keys, metrics.values.tolist(), strict=True):
+                self._host_sums[key] += value * scale
+            return
+        index = self._index(metrics.keys)
+        values = metrics.values.detach().to(self._sum_vec.dtype)
+        self._sum_vec.index_add_(0, index, values, alpha=scale)
+
+    def _index(self, keys: tuple[str, ...]) -> Tensor:
+        """The positions of `keys` in the device vector (made once per declared key set,
+        key tuple and device: a step's sums are made anew each step)."""
+        at = (tuple(self.sum_keys), keys, self._sum_vec.device)
+        index = _INDICES.get(at)
+        if index is None:
+            host = torch.tensor([self._sums[k] for k in keys], dtype=torch.int64)
+            index = _INDICES[at] = to_device(host, self._sum_vec.device)
+        return index
 
     def max(self, key: str, value: Tensor | float) -> None:
         if key not in self._maxes:

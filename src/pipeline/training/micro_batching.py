@@ -99,12 +99,11 @@ class MicroBatch:
 
     def gather(self, per_position: Tensor) -> Tensor:
         """Per-position model output shaped like input_ids -> (m, r) response layout."""
-        flat = per_position.reshape(-1)
-        return flat[self.gather_index.to(flat.device)]
+        return _take(per_position.reshape(-1), self.gather_index)
 
     def gather_scored(self, scored: Tensor) -> Tensor:
         """Outputs at score_index (n,) -> (m, r) response layout (padding reads entry 0)."""
-        return scored[self.score_gather.to(scored.device)]
+        return _take(scored, self.score_gather)
 
     def device_fields(self) -> dict[str, Tensor]:
         """The model inputs and output layout that go to the device, by name (absent ones
@@ -489,3 +488,10 @@ def plan_step(
             shares.append(micro_batch_weight(local, total, 1))
         plans.append(MiniBatchPlan(micro, weights, shares, total))
     return plans
+
+
+def _take(flat: Tensor, index: Tensor) -> Tensor:
+    """flat[index] for a 1-d `flat` by index_select: its backward is one index_add (where
+    padding repeats an index it adds that entry's zero gradients), where advanced
+    indexing's sorts the indices first (~9 kernels on a GPU)."""
+    return flat.index_select(0, index.to(flat.device).reshape(-1)).view(index.shape)

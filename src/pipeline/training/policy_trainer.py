@@ -24,16 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeline.algorithms import (
-    AlgorithmConfig,
-    agg_loss,
-    kl_estimate,
-    kl_loss,
-    masked_sum,
-    mismatch_metrics,
-    ppo_policy_loss,
-    truncated_is_weights,
-)
+from pipeline.algorithms import AlgorithmConfig, truncated_is_weights
 from pipeline.errors import ConfigError
 from pipeline.models import CausalLM, load_model
 from pipeline.training.advantages import group_advantages
@@ -44,28 +35,22 @@ from pipeline.training.distributed import DistInfo, all_reduce_ints, current_dis
 from pipeline.training.engine import StagedStep, TrainEngine, perf_metrics, place_model
 from pipeline.training.errors import BatchError
 from pipeline.training.forward import micro_logprobs
-from pipeline.training.metrics import MetricSums
+from pipeline.training.loss_terms import (
+    KL_KEYS,
+    loss_function,
+    micro_keys,
+    token_keys,
+    token_sums,
+)
+from pipeline.training.metrics import Metrics, MetricSums, MetricVector
 from pipeline.training.micro_batching import MicroBatch, plan_forward
 
-_MICRO_KEYS = (
-    "actor/loss",
-    "actor/pg_loss",
-    "actor/entropy",
-    "actor/clip_frac",
-    "actor/clip_frac_lower",
-    "actor/approx_kl",
-)
 _BATCH_KEYS = (
     "batch/samples",
     "batch/response_tokens",
     "batch/score_sum",
-    "mismatch/kl",
-    "mismatch/mean_abs_diff",
-    "mismatch/truncated_frac",
-    "actor/is_weight_mean",
     "perf/tokens",
 )
-_KL_KEYS = ("kl/k1", "kl/k2", "kl/k3")
 
 
 def _load_causal_lm(model: str | os.PathLike[str] | CausalLM) -> CausalLM:
@@ -120,6 +105,7 @@ class PolicyTrainer:
         reference = copy.deepcopy(policy) if keep_ref else None
         self.engine = TrainEngine(policy, self.config, self.info, name="policy")
         self._last_done = 0.0  # perf_counter when the last step's metrics were read
+        self._loss_terms = loss_function(self.algorithm, self.config.compile_loss)
         self.reference: CausalLM | None = (
             place_model(reference, self.config, self.info, trainable=False)  # type: ignore[assignment]
             if reference is not None
@@ -219,10 +205,11 @@ class PolicyTrainer:
                 "algorithm.use_kl_loss needs reference log-probs: put ref_logprobs on the batch "
                 "or keep a reference model (trainer.keep_reference)"
             )
-        micro_keys = [*_MICRO_KEYS, *(["actor/kl_loss"] if alg.use_kl_loss else [])]
-        kl_keys = list(_KL_KEYS) if ref is not None else []
+        kl_keys = list(KL_KEYS) if ref is not None else []
         sums = MetricSums(
-            [*micro_keys, *_BATCH_KEYS, *kl_keys], ["mismatch/max_abs_diff"], self.info.device
+            [*micro_keys(alg), *_BATCH_KEYS, *token_keys(ref is not None)],
+            ["mismatch/max_abs_diff"],
+            self.info.device,
         )
         prox = is_w = None  # fused: each micro-batch takes them from its own forward
         if not fused:
@@ -262,8 +249,8 @@ class PolicyTrainer:
         batch: ExperienceBatch,
         inputs: dict[str, Tensor | None],
         sums: MetricSums,
-    ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
-        cfg, alg = self.config, self.algorithm
+    ) -> tuple[Tensor | None, Tensor, Metrics]:
+        cfg = self.config
         fused = inputs["prox"] is None
         named = {"mask": batch.response_mask, "adv": inputs["adv"], "ref": inputs["ref"]}
         if fused:
@@ -284,53 +271,15 @@ class PolicyTrainer:
         # needs them only after it (see MicroBatch.fields_to)
         f = host.fields_to(self.info.device, named)
         assert entropy is not None
-        mask, ref = f["mask"], f.get("ref")
-        if fused:
-            # one optimizer step per update: the weights of this forward are the proximal
-            # policy, so its detached log-probs are the proximal log-probs (the ratio is 1
-            # with the right gradient), and the mismatch metrics come from them too
-            prox = logp.detach().float()  # (m, r)
-            is_w = truncated_is_weights(
-                prox, f["behaviour"], mask, cap=alg.is_cap, level=alg.is_level
-            )  # (m, r)
-            self._token_metrics(sums, mask, f["behaviour"], prox, ref, is_w)
-        else:
-            prox, is_w = f["prox"], f["is_w"]
-        pg_loss, pg_metrics = ppo_policy_loss(
-            logp,
-            prox,
-            f["adv"],
-            mask,
-            clip_ratio_low=alg.clip_ratio_low,
-            clip_ratio_high=alg.clip_ratio_high,
-            clip_ratio_c=alg.clip_ratio_c,
-            loss_agg_mode=alg.loss_agg_mode,
-            is_weights=is_w,
+        ref = f.get("ref")
+        old = f["behaviour"] if fused else f["prox"]
+        loss, micro, token, top = self._loss_terms(
+            logp, entropy, f["mask"], f["adv"], old, None if fused else f["is_w"], ref
         )
-        entropy_mean = agg_loss(entropy, mask, alg.loss_agg_mode)
-        loss = pg_loss
-        if alg.entropy_coef > 0:  # otherwise entropy is only reported, never differentiated
-            loss = loss - alg.entropy_coef * entropy_mean
-        metrics = {
-            "actor/pg_loss": pg_loss.detach(),
-            "actor/entropy": entropy_mean.detach(),
-            "actor/clip_frac": pg_metrics.clip_frac,
-            "actor/clip_frac_lower": pg_metrics.clip_frac_lower,
-            "actor/approx_kl": pg_metrics.approx_kl,
-        }
-        if alg.use_kl_loss:
-            assert ref is not None
-            kl = kl_loss(
-                logp,
-                ref,
-                mask,
-                estimator=alg.kl_estimator,
-                loss_agg_mode=alg.loss_agg_mode,
-            )
-            loss = loss + alg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.detach()
-        metrics["actor/loss"] = loss.detach()
-        return loss, anchor, metrics
+        if fused:  # the mismatch and KL sums of this micro-batch's own proximal log-probs
+            sums.add_all(MetricVector(token_keys(ref is not None), token))
+            sums.max("mismatch/max_abs_diff", top[0])
+        return loss, anchor, MetricVector(micro_keys(self.algorithm), micro)
 
     @staticmethod
     def _batch_counts(sums: MetricSums, batch: ExperienceBatch) -> None:
@@ -348,19 +297,11 @@ class PolicyTrainer:
         ref: Tensor | None,
         is_w: Tensor,
     ) -> None:
-        """Token sums of the sampler/learner mismatch and of the KL to the reference (over
-        the whole batch, or one micro-batch at a time when the proximal forward is fused)."""
-        alg = self.algorithm
-        tokens = mask.sum().double()
-        mm = mismatch_metrics(prox, behaviour, mask, cap=alg.is_cap, level=alg.is_level)
-        sums.add("mismatch/kl", mm.kl * tokens)
-        sums.add("mismatch/mean_abs_diff", mm.mean_abs_diff * tokens)
-        sums.add("mismatch/truncated_frac", mm.truncated_frac * tokens)
-        sums.max("mismatch/max_abs_diff", mm.max_abs_diff)
-        sums.add("actor/is_weight_mean", masked_sum(is_w, mask))
-        if ref is not None:
-            for est in ("k1", "k2", "k3"):
-                sums.add(f"kl/{est}", masked_sum(kl_estimate(prox, ref, est), mask))  # type: ignore[arg-type]
+        """Token sums of the sampler/learner mismatch and of the KL to the reference over
+        the whole batch (the proximal forward is not fused)."""
+        token, top = token_sums(mask, behaviour, prox, ref, is_w, self.algorithm)
+        sums.add_all(MetricVector(token_keys(ref is not None), token))
+        sums.max("mismatch/max_abs_diff", top)
 
     def _finish_metrics(
         self,

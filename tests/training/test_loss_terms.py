@@ -75,7 +75,7 @@ def _expected(x: dict[str, torch.Tensor], alg: AlgorithmConfig) -> tuple[torch.T
         **{f"kl/{e}": masked_sum(kl_estimate(prox, ref, e), mask) for e in ("k1", "k2", "k3")},
         "max": mm.max_abs_diff,
     }  # fmt: skip
-    return loss, {k: float(v) for k, v in values.items()}
+    return loss, {k: float(v.detach()) for k, v in values.items()}
 
 
 def _named(terms: tuple[torch.Tensor, ...], alg: AlgorithmConfig) -> dict[str, float]:

@@ -217,7 +217,8 @@ class PolicyTrainer:
             is_w = truncated_is_weights(
                 prox, batch.behaviour_logprobs, mask, cap=alg.is_cap, level=alg.is_level
             )  # (n, R)
-            self._token_metrics(sums, mask, batch.behaviour_logprobs, prox, ref, is_w)
+            token, top = token_sums(mask, batch.behaviour_logprobs, prox, ref, is_w, alg)
+            _add_token_sums(sums, token, top, ref is not None)  # over the whole batch
         inputs = {"prox": prox, "is_w": is_w, "ref": ref, "adv": batch.advantages}
 
         def micro_loss(
@@ -277,8 +278,7 @@ class PolicyTrainer:
             logp, entropy, f["mask"], f["adv"], old, None if fused else f["is_w"], ref
         )
         if fused:  # the mismatch and KL sums of this micro-batch's own proximal log-probs
-            sums.add_all(MetricVector(token_keys(ref is not None), token))
-            sums.max("mismatch/max_abs_diff", top[0])
+            _add_token_sums(sums, token, top, ref is not None)
         return loss, anchor, MetricVector(micro_keys(self.algorithm), micro)
 
     @staticmethod
@@ -286,22 +286,6 @@ class PolicyTrainer:
         sums.add("batch/samples", float(batch.num_samples))
         sums.add("batch/response_tokens", float(batch.response_mask.sum()))
         sums.add("batch/score_sum", batch.scores.double().sum())
-
-    @torch.no_grad()
-    def _token_metrics(
-        self,
-        sums: MetricSums,
-        mask: Tensor,
-        behaviour: Tensor,
-        prox: Tensor,
-        ref: Tensor | None,
-        is_w: Tensor,
-    ) -> None:
-        """Token sums of the sampler/learner mismatch and of the KL to the reference over
-        the whole batch (the proximal forward is not fused)."""
-        token, top = token_sums(mask, behaviour, prox, ref, is_w, self.algorithm)
-        sums.add_all(MetricVector(token_keys(ref is not None), token))
-        sums.max("mismatch/max_abs_diff", top)
 
     def _finish_metrics(
         self,
@@ -367,3 +351,10 @@ class PolicyTrainer:
     def export_hf(self, path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> None:
         """HF safetensors of the current policy (collective; rank 0 writes)."""
         self.engine.export_hf(path, dtype)
+
+
+def _add_token_sums(sums: MetricSums, token: Tensor, top: Tensor, with_ref: bool) -> None:
+    """`loss_terms.token_sums`' outputs (a vector of sums, the max |log pi - log mu|) into
+    the step's sums."""
+    sums.add_all(MetricVector(token_keys(with_ref), token))
+    sums.max("mismatch/max_abs_diff", top.reshape(()))

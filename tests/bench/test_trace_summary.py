@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bench.trace_summary import family, load_kernels, main, summarize
+from pipeline.bench.trace_summary import (
+    family,
+    launch_sites,
+    load_events,
+    load_kernels,
+    main,
+    summarize,
+)
 
 
 def _trace(path: Path) -> Path:
@@ -57,3 +64,56 @@ def test_summary_of_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     out = capsys.readouterr().out
     assert "6 kernels, span 0.53 ms" in out and "0.235 ms" in out
     assert json.loads(out.strip().splitlines()[-1])["gap_ms"] == pytest.approx(0.315)
+
+
+def _launch_trace(path: Path) -> Path:
+    """Two host threads' ops and ranges, their launch calls and the kernels they queued."""
+
+    def ev(cat: str, name: str, ts: float, dur: float, tid: int = 1, corr: int | None = None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    events = [
+        ev("user_annotation", "train/forward", 0, 100),
+        ev("cpu_op", "aten::where", 10, 30),  # launches through the fill nested in it
+        ev("cpu_op", "aten::fill_", 12, 4),
+        ev("cuda_runtime", "cudaLaunchKernel", 13, 1, corr=1),
+        ev("cuda_runtime", "cudaLaunchKernel", 20, 1, corr=2),  # where's own kernel
+        ev("cpu_op", "aten::sum", 50, 10),
+        ev("cuda_runtime", "cudaLaunchKernel", 52, 1, corr=3),
+        ev("cpu_op", "aten::sum", 70, 10),
+        ev("cuda_runtime", "cudaLaunchKernel", 71, 1, corr=4),
+        ev("cuda_runtime", "cudaGraphLaunch", 120, 2, corr=5),  # outside any op or range
+        ev("cpu_op", "aten::mm", 10, 20, tid=2),  # another thread: its own nesting
+        ev("cuda_runtime", "cudaLaunchKernel", 15, 1, tid=2, corr=6),
+        ev("kernel", "fill", 200, 2, tid=7, corr=1),
+        ev("kernel", "where", 203, 2, tid=7, corr=2),
+        ev("kernel", "sum_a", 206, 3, tid=7, corr=3),
+        ev("kernel", "sum_b", 210, 5, tid=7, corr=4),
+        ev("kernel", "graph_k1", 300, 40, tid=7, corr=5),
+        ev("kernel", "graph_k2", 341, 60, tid=7, corr=5),
+        ev("kernel", "gemm", 500, 100, tid=7, corr=6),
+        ev("kernel", "orphan", 700, 1, tid=7, corr=99),
+    ]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_kernels_by_the_op_that_launched_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    path = _launch_trace(tmp_path / "trace.json")
+    rows = {(r, op): (n, ms) for r, op, n, ms in launch_sites(load_events(path))}
+    assert rows == {
+        ("cuda graph", "cudaGraphLaunch"): (2, pytest.approx(0.1)),
+        ("train/forward", "aten::sum"): (2, pytest.approx(0.008)),
+        ("train/forward", "aten::fill_"): (1, pytest.approx(0.002)),
+        ("train/forward", "aten::where"): (1, pytest.approx(0.002)),
+        ("-", "aten::mm"): (1, pytest.approx(0.1)),
+        ("?", "?"): (1, pytest.approx(0.001)),
+    }
+    assert launch_sites(load_events(path))[0][:3] == ("cuda graph", "cudaGraphLaunch", 2)
+    main([str(path), "--by-op", "--top", "2"])
+    out = capsys.readouterr().out.split("launched by (range, CPU op):")[1]
+    assert "aten::sum" in out and "cudaGraphLaunch" in out
+    assert "aten::mm" not in out  # --top 2: the two rows with most kernels

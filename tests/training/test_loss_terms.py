@@ -96,7 +96,7 @@ def test_loss_terms_name_the_values_of_the_algorithms_functions() -> None:
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
-    assert float(terms[0]) == pytest.approx(float(loss), rel=1e-6)
+    assert float(terms[0].detach()) == pytest.approx(float(loss.detach()), rel=1e-6)
     assert micro_keys(AlgorithmConfig(use_kl_loss=False))[-1] == "actor/approx_kl"
     # decoupled: proximal log-probs and weights given, no token sums
     prox = x["behaviour"] + 0.1
@@ -109,12 +109,12 @@ def test_loss_terms_name_the_values_of_the_algorithms_functions() -> None:
         x["logp"], prox, x["adv"], x["mask"], clip_ratio_c=ALG.clip_ratio_c,
         loss_agg_mode=ALG.loss_agg_mode, is_weights=is_w,
     )  # fmt: skip
-    assert float(loss2) != pytest.approx(float(terms[0]), rel=1e-3)
+    assert float(loss2.detach()) != pytest.approx(float(terms[0].detach()), rel=1e-3)
     ent = agg_loss(x["entropy"], x["mask"], ALG.loss_agg_mode)
     kl = kl_loss(x["logp"], x["ref"], x["mask"], estimator=ALG.kl_estimator,
                  loss_agg_mode=ALG.loss_agg_mode)  # fmt: skip
     want = pg_loss - ALG.entropy_coef * ent + ALG.kl_loss_coef * kl
-    assert float(loss2) == pytest.approx(float(want), rel=1e-6)
+    assert float(loss2.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
 
 
 def test_compiled_loss_terms_equal_eager_across_shapes() -> None:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from pipeline.algorithms import (
     AlgorithmConfig,
+    KLEstimator,
     agg_loss,
     kl_estimate,
     kl_loss,
@@ -42,7 +43,7 @@ TOKEN_KEYS = (
     "mismatch/truncated_frac",
     "actor/is_weight_mean",
 )
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS: tuple[KLEstimator, ...] = ("k1", "k2", "k3")
 KL_KEYS = tuple(f"kl/{est}" for est in KL_ESTIMATORS)
 
 # (loss, micro-batch means (micro_keys), token sums (token_keys) or empty, max |log pi - log
@@ -74,16 +75,21 @@ def token_sums(
     in `token_keys` order; max |log pi - log mu|) over the valid tokens."""
     tokens = mask.sum().double()
     mm = mismatch_metrics(prox, behaviour, mask, cap=alg.is_cap, level=alg.is_level)
-    values = [
-        mm.kl * tokens,
-        mm.mean_abs_diff * tokens,
-        mm.truncated_frac * tokens,
-        masked_sum(is_w, mask).double(),
-    ]
+    values = {
+        "mismatch/kl": mm.kl * tokens,
+        "mismatch/mean_abs_diff": mm.mean_abs_diff * tokens,
+        "mismatch/truncated_frac": mm.truncated_frac * tokens,
+        "actor/is_weight_mean": masked_sum(is_w, mask),
+    }
     if ref is not None:
-        for est in KL_ESTIMATORS:
-            values.append(masked_sum(kl_estimate(prox, ref, est), mask).double())  # type: ignore[arg-type]
-    return torch.stack(values), mm.max_abs_diff
+        for est, key in zip(KL_ESTIMATORS, KL_KEYS, strict=True):
+            values[key] = masked_sum(kl_estimate(prox, ref, est), mask)
+    return _stacked(values, token_keys(ref is not None)), mm.max_abs_diff
+
+
+def _stacked(values: dict[str, Tensor], keys: tuple[str, ...]) -> Tensor:
+    """The named scalars as one float64 vector in `keys` order (the order is the keys')."""
+    return torch.stack([values[k].detach().reshape(()).to(torch.float64) for k in keys])
 
 
 def policy_loss_terms(
@@ -122,16 +128,14 @@ def policy_loss_terms(
     loss = pg_loss
     if alg.entropy_coef > 0:  # otherwise entropy is only reported, never differentiated
         loss = loss - alg.entropy_coef * entropy_mean
-    extra = []
+    values = {"actor/pg_loss": pg_loss, "actor/entropy": entropy_mean, **pg.as_dict()}
     if alg.use_kl_loss:
         assert ref is not None
         kl = kl_loss(logp, ref, mask, estimator=alg.kl_estimator, loss_agg_mode=alg.loss_agg_mode)
         loss = loss + alg.kl_loss_coef * kl
-        extra.append(kl.detach())
-    parts = [loss.detach(), pg_loss.detach(), entropy_mean.detach(), pg.clip_frac]
-    parts += [pg.clip_frac_lower, pg.approx_kl, *extra]
-    micro = torch.stack([p.reshape(()).to(torch.float64) for p in parts])
-    return loss, micro, token, top.reshape(-1)
+        values[KL_LOSS_KEY] = kl
+    values["actor/loss"] = loss
+    return loss, _stacked(values, micro_keys(alg)), token, top.reshape(-1)
 
 
 def loss_function(alg: AlgorithmConfig, compiled: bool) -> LossFn:

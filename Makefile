@@ -61,7 +61,7 @@ $(GPU_SITE)/.installed:
 	@touch $@
 
 test-gpu: $(GPU_SITE)/.installed
-	PYTHONPATH=$(GPU_SITE):src $(GPU_PY) -m pytest -p no:cacheprovider -m "gpu" $(ARGS)
+	PYTHONPATH=$(GPU_SITE):src $(GPU_PY) -m pytest -p no:cacheprovider -m "gpu or multigpu" $(ARGS)
 
 bench-gpu: $(GPU_SITE)/.installed
 	PYTHONPATH=$(GPU_SITE):src $(GPU_PY) -m pipeline.bench.all_gpu --out bench/results

@@ -4,10 +4,12 @@ bucket only a "ready" / "free" message moves. Bitwise like the collective path."
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
+from pipeline.errors import WeightSyncError
 from pipeline.models import CausalLM
 from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
 from tests.weights.wsync_common import (
@@ -27,18 +29,26 @@ pytestmark = [
 TIMEOUTS = SyncTimeouts(group_s=60, meta_s=60, bucket_s=30, apply_s=30)
 
 
-def _engines(procs, hub, tmp_path, device):
+# (name, tp_size, replica) per engine process, and (tp_rank, tp_size) per engine rank
+ENGINES = (("engine-0", 1, 0), ("engine-1", 2, 1))
+RANKS = {"engine-0": (0, 1), "engine-1.tp0": (0, 2), "engine-1.tp1": (1, 2)}
+# NCCL takes one rank per GPU: on two GPUs, the learner and one single-rank engine
+ONE_ENGINE = (("engine-0", 1, 0),)
+ONE_RANK = {"engine-0": (0, 1)}
+
+
+def _engines(procs, hub, tmp_path, device, engines=ENGINES):
     events: list[dict] = []
-    for name, tp_size, replica in (("engine-0", 1, 0), ("engine-1", 2, 1)):
+    for name, tp_size, replica in engines:
         cmd = engine_cmd(hub.endpoint, name, tmp_path, "--device", device, tp_size=tp_size)
         proc = procs.start([*cmd, "--replica", str(replica), "--max-seconds", "300"], stdout=-1)
         threading.Thread(target=read_events, args=(proc, events), daemon=True).start()
-    assert len(hub.wait_for_members(3, 120)) == 3
+    ranks = sum(tp_size for _, tp_size, _ in engines)
+    assert len(hub.wait_for_members(ranks, 120)) == ranks
     return events
 
 
-def _publish_and_check(model, publisher, tmp_path, versions):
-    members = {"engine-0": (0, 1), "engine-1.tp0": (0, 2), "engine-1.tp1": (1, 2)}
+def _publish_and_check(model, publisher, tmp_path, versions, members=RANKS):
     for version in versions:
         with torch.no_grad():
             for p in model.parameters():
@@ -78,10 +88,26 @@ def test_nccl_between_gpus_bitwise(procs, tmp_path):
     model = CausalLM(TINY).cuda(0)
     model.init_weights(std=0.2)
     hub = WeightHub(endpoint=f"tcp://127.0.0.1:{free_port()}")
-    _engines(procs, hub, tmp_path, "cuda:1")
+    _engines(procs, hub, tmp_path, "cuda:1", ONE_ENGINE)
     config = PublishConfig(bucket_bytes=SMALL_BUCKET, timeouts=TIMEOUTS)
     publisher = WeightPublisher(model, hub=hub, config=config)
     assert publisher.transport == "nccl"
-    _publish_and_check(model, publisher, tmp_path, range(1, 3))
+    _publish_and_check(model, publisher, tmp_path, range(1, 3), ONE_RANK)
+    publisher.close()
+    hub.close()
+
+
+def test_nccl_refuses_an_engine_on_the_learners_gpu_before_connecting(procs, tmp_path):
+    model = CausalLM(TINY).cuda(0)
+    hub = WeightHub(endpoint=f"tcp://127.0.0.1:{free_port()}")
+    _engines(procs, hub, tmp_path, "cuda:0", ONE_ENGINE)
+    config = PublishConfig(bucket_bytes=SMALL_BUCKET, transport="nccl", timeouts=TIMEOUTS)
+    publisher = WeightPublisher(model, hub=hub, config=config)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError) as info:
+        publisher.publish(1)
+    assert time.monotonic() - t0 < 20  # not NCCL's connect, which waited without end
+    assert info.value.phase == "group" and info.value.peer == "learner-0, engine-0"
+    assert "one rank per GPU" in str(info.value)
     publisher.close()
     hub.close()

@@ -72,6 +72,47 @@ def _nccl(store: dist.Store, spec: GroupAssign, options: GroupOptions, device: t
     return pg
 
 
+def device_key(device: torch.device) -> str:
+    """What names `device` across processes and hosts: a GPU's UUID; "" for other devices."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def announce(prefix: dist.Store, rank: int, gpu: str) -> None:
+    """Rank `rank` arrived at this generation: its pid and its GPU's key ("" for none)."""
+    prefix.set(f"arrived/{rank}", f"{os.getpid()} {gpu}")
+
+
+def shared_gpus(keys: dict[int, str], members: list[str]) -> list[list[str]]:
+    """The member names of each GPU (non-empty key) that more than one rank holds."""
+    holders: dict[str, list[str]] = {}
+    for rank, key in sorted(keys.items()):
+        if key:
+            holders.setdefault(key, []).append(members[rank])
+    return [names for names in holders.values() if len(names) > 1]
+
+
+def check_one_rank_per_gpu(prefix: dist.Store, spec: GroupAssign) -> None:
+    """NCCL takes one rank per GPU: with several on one GPU a member's connect can wait
+    without end (three engine ranks on one H200 and the learner on another did). Every
+    member reads the GPUs all members announced on arrival and raises the same error,
+    naming those that share one, before connecting."""
+    keys = {}
+    for rank in range(spec.world):
+        _, _, key = prefix.get(f"arrived/{rank}").decode().partition(" ")
+        keys[rank] = key
+    shared = shared_gpus(keys, spec.members)
+    if shared:
+        names = "; ".join(" and ".join(group) for group in shared)
+        raise WeightSyncError(
+            "group",
+            ", ".join(name for group in shared for name in group),
+            f"NCCL takes one rank per GPU, but {names} share one; give each rank its own "
+            "GPU, or use transport cuda_ipc where the learner and its engines share one GPU",
+        )
+
+
 class WeightGroup:
     """One generation of the weight group, as seen by one member."""
 
@@ -107,7 +148,7 @@ class WeightGroup:
         missing engine is then named instead of surfacing as an anonymous connect timeout,
         and the backend's own connect runs only once everyone is there."""
         prefix = dist.PrefixStore(f"weights/g{spec.generation}/", store)
-        prefix.set(f"arrived/{spec.rank}", str(os.getpid()))
+        announce(prefix, spec.rank, device_key(device) if spec.backend == "nccl" else "")
         if wait_arrivals:
             deadline = time.monotonic() + spec.rendezvous_s
             missing = list(range(spec.world))
@@ -123,6 +164,7 @@ class WeightGroup:
                     f"did not arrive at weight group generation {spec.generation} within "
                     f"{spec.rendezvous_s:.1f}s",
                 )
+            check_one_rank_per_gpu(prefix, spec)
         t0 = time.perf_counter()
         if spec.backend == "gloo":
             backend = _gloo(prefix, spec, options)

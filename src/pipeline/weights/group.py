@@ -146,7 +146,8 @@ class WeightGroup:
         """Join generation `spec.generation`. With `wait_arrivals` every member first waits
         (up to `rendezvous_s`) until all members announced themselves in the store: a
         missing engine is then named instead of surfacing as an anonymous connect timeout,
-        and the backend's own connect runs only once everyone is there."""
+        and the backend's own connect runs only once everyone is there; for NCCL, only once
+        no two members hold one GPU (`check_one_rank_per_gpu`)."""
         prefix = dist.PrefixStore(f"weights/g{spec.generation}/", store)
         announce(prefix, spec.rank, device_key(device) if spec.backend == "nccl" else "")
         if wait_arrivals:
@@ -164,7 +165,8 @@ class WeightGroup:
                     f"did not arrive at weight group generation {spec.generation} within "
                     f"{spec.rendezvous_s:.1f}s",
                 )
-            check_one_rank_per_gpu(prefix, spec)
+            if spec.backend == "nccl":  # gloo members announce no GPU
+                check_one_rank_per_gpu(prefix, spec)
         t0 = time.perf_counter()
         if spec.backend == "gloo":
             backend = _gloo(prefix, spec, options)

@@ -15,13 +15,13 @@ from pipeline.weights.wire import GroupAssign
 MEMBERS = ["learner-0", "engine-0", "engine-1.tp0", "engine-1.tp1"]
 
 
-def _spec(rank: int, members: list[str]) -> GroupAssign:
+def _spec(rank: int) -> GroupAssign:
     return GroupAssign(
         generation=3,
         rank=rank,
-        world=len(members),
+        world=len(MEMBERS),
         senders=1,
-        members=members,
+        members=MEMBERS,
         backend="nccl",
         store_host="127.0.0.1",
         store_port=0,
@@ -66,7 +66,7 @@ def test_every_member_refuses_a_shared_gpu_with_the_same_error(gpus, peer):
     def member(rank: int) -> None:
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         with pytest.raises(WeightSyncError) as info:
-            check_one_rank_per_gpu(dist.PrefixStore("weights/g3/", client), _spec(rank, MEMBERS))
+            check_one_rank_per_gpu(dist.PrefixStore("weights/g3/", client), _spec(rank))
         errors[rank] = info.value
 
     threads = [threading.Thread(target=member, args=(r,)) for r in range(len(MEMBERS))]
@@ -80,12 +80,12 @@ def test_every_member_refuses_a_shared_gpu_with_the_same_error(gpus, peer):
     assert "one rank per GPU" in str(errors[0]) and "cuda_ipc" in str(errors[0])
 
 
-def test_distinct_gpus_and_gloo_members_pass():
+def test_distinct_gpus_and_members_without_a_gpu_pass():
     _, prefix = _store()
     for rank, gpu in enumerate(["GPU-a", "GPU-b", "GPU-c", "GPU-d"]):
         announce(prefix, rank, gpu)
-    check_one_rank_per_gpu(prefix, _spec(0, MEMBERS))
+    check_one_rank_per_gpu(prefix, _spec(0))
     _, prefix = _store()
-    for rank in range(len(MEMBERS)):  # gloo members announce no GPU
+    for rank in range(len(MEMBERS)):  # as gloo members announce: no GPU
         announce(prefix, rank, "")
-    check_one_rank_per_gpu(prefix, _spec(2, MEMBERS))
+    check_one_rank_per_gpu(prefix, _spec(2))

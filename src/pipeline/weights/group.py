@@ -12,6 +12,7 @@ no registration in torch.distributed's world.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 from typing import Any
@@ -25,6 +26,8 @@ from pipeline.weights.config import GroupOptions
 from pipeline.weights.wire import GroupAssign
 
 log = get_logger("weights.group")
+# seconds torch polls a non-blocking NCCL init before it fails (read once per process)
+CONNECT_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
 
 
 class StoreHost:
@@ -60,16 +63,57 @@ def _gloo(store: dist.Store, spec: GroupAssign, options: GroupOptions) -> Any:
 
 
 def _nccl(store: dist.Store, spec: GroupAssign, options: GroupOptions, device: torch.device) -> Any:
+    """Connect this member's NCCL communicator within the group's deadline.
+
+    A blocking NCCL init waits without end for a member that arrived and then died (or
+    stalled) before connecting, and cannot be aborted: its communicator handle exists only
+    once the init returns. So the communicator is made non-blocking (`config.blocking = 0`:
+    torch polls NCCL's init, abortable, up to TORCH_NCCL_NONBLOCKING_TIMEOUT seconds, which
+    is set here to `rendezvous_s` unless the environment sets it; torch reads it once per
+    process) and one 1-element broadcast completes the connect inside `build`. A connect
+    that fails or runs past the deadline aborts the backend and raises WeightSyncError
+    (phase "group", peer: the other members, since NCCL does not say which one is missing).
+    """
     if not hasattr(dist, "ProcessGroupNCCL"):
         raise ConfigError("this torch build has no NCCL; use transport gloo on CPU")
     if options.interface:
         os.environ["NCCL_SOCKET_IFNAME"] = options.interface
+    os.environ.setdefault(CONNECT_TIMEOUT_ENV, str(max(1, math.ceil(spec.rendezvous_s))))
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
+    opts.config.blocking = 0
     torch.cuda.set_device(device)
     pg = dist.ProcessGroupNCCL(store, spec.rank, spec.world, opts)
-    pg.eager_connect_single_device(device)
+    try:
+        pg.eager_connect_single_device(device)
+        _broadcast(pg, torch.zeros(1, device=device), 0, spec.timeout_s).wait()
+    except Exception as exc:  # DistBackendError / DistStoreError: NCCL names no member
+        _abort(pg)
+        others = ", ".join(m for r, m in enumerate(spec.members) if r != spec.rank)
+        raise WeightSyncError(
+            "group",
+            others,
+            f"the NCCL connect of weight group generation {spec.generation} did not complete "
+            f"within {os.environ[CONNECT_TIMEOUT_ENV]}s (a member arrived but did not connect: "
+            f"dead or stuck): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+        ) from exc
     return pg
+
+
+def _broadcast(backend: Any, tensor: torch.Tensor, src: int, timeout_s: float) -> Any:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    return backend.broadcast([tensor], opts)
+
+
+def _abort(backend: Any) -> None:
+    """Abort `backend` so that peers blocked on it fail at once (best effort)."""
+    try:
+        backend.abort()
+    except Exception as exc:  # not every backend/build implements abort
+        log.debug("weight_group_abort_failed", error=str(exc))
 
 
 def device_key(device: torch.device) -> str:
@@ -186,19 +230,12 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         """Async broadcast from group rank `src`; returns the backend's Work."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        opts.timeout = datetime.timedelta(seconds=self.spec.timeout_s)
-        return self.backend.broadcast([tensor], opts)
+        return _broadcast(self.backend, tensor, src, self.spec.timeout_s)
 
     def close(self) -> None:
         """Drop the backend: peers blocked on us fail at once instead of at their timeout."""
         backend, self.backend = self.backend, None
         if backend is None:
             return
-        try:
-            backend.abort()
-        except Exception as exc:  # not every backend/build implements abort
-            log.debug("weight_group_abort_failed", error=str(exc))
+        _abort(backend)
         del backend

@@ -10,7 +10,8 @@ In the same run, with the same tensors and group:
   baseline  a per-tensor broadcast (cast, full_tensor, one blocking broadcast per tensor);
             with CUDA IPC (learner and engine on one GPU, where NCCL cannot run) it is a
             per-tensor gloo broadcast of the CUDA tensors
-  bound     one copy of the same bytes in memory: memcpy on CPU, device-to-device on GPU
+  bound     one copy of the same bytes into the first engine's memory: memcpy on CPU,
+            device-to-device on one GPU, GPU to GPU where the engines hold other GPUs
 Prints a table, then one JSON object per figure; `ratio` > 1 means better than the
 baseline, `fraction_of_bound` <= 1 is how close to the copy bound the publish gets.
 """
@@ -23,7 +24,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from pipeline.bench.common import git_sha
 from pipeline.bench.shapes import SHAPES
 from pipeline.models import CausalLM, ModelConfig
 from pipeline.transport.channel import free_tcp_port
@@ -168,14 +169,17 @@ def _learner(rank: int, args: argparse.Namespace, endpoint: str, port: int, queu
         # at least 256 MiB so that the copy measures memory, not cache, bandwidth
         size = max(total, 256 << 20)
         src = torch.ones(size, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
+        # into the first engine's memory: GPU to GPU (NVLink) where they hold another GPU
+        dst = torch.empty(size, dtype=torch.uint8, device=_devices(args)[1][0])
         dst.copy_(src)
         copies = []
         for _ in range(max(3, args.repeats)):
             _sync(device)
+            _sync(dst.device)
             t0 = time.perf_counter()
             dst.copy_(src)
             _sync(device)
+            _sync(dst.device)
             copies.append((time.perf_counter() - t0) * total / size)
         del src, dst
         queue.put(
@@ -240,23 +244,15 @@ def _engine(index: int, args: argparse.Namespace, endpoint: str) -> None:
     receiver.close()
 
 
-def _git() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def figures(result: dict[str, Any], args: argparse.Namespace, device: str) -> list[dict]:
     gb = result["bytes"] / 1e9
-    bound_kind = "memcpy" if args.device == "cpu" else "device-to-device copy"
+    learner, engine, _ = _devices(args)
+    if args.device == "cpu":
+        bound_kind = "memcpy"
+    elif engine[0] != learner[0]:
+        bound_kind = f"GPU-to-GPU copy ({learner[0]} to {engine[0]})"
+    else:
+        bound_kind = "device-to-device copy"
     config = {
         "shape": args.shape,
         "learners": args.learners,
@@ -278,7 +274,7 @@ def figures(result: dict[str, Any], args: argparse.Namespace, device: str) -> li
         "baseline": "per_tensor_broadcast",
         "device": device,
         "config": config,
-        "git": _git(),
+        "git": git_sha(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     pub, base, bound = result["publish_s"], result["baseline_s"], result["bound_s"]

@@ -141,13 +141,14 @@ def _learner(rank: int, args: argparse.Namespace, endpoint: str, port: int, queu
         timeouts=_timeouts(),
     )
     publisher = WeightPublisher(params, hub=hub, config=config)
-    seconds = []
+    seconds, phases = [], []
     for version in range(1, args.repeats + 2):
         _sync(device)
         t0 = time.perf_counter()
-        publisher.publish(version)
+        report = publisher.publish(version)
         _sync(device)
         seconds.append(time.perf_counter() - t0)
+        phases.append(report.phases)
     group = publisher.group
     if group is None and publisher.participates:  # CUDA IPC: a bench-only gloo group
         assert hub is not None
@@ -191,6 +192,10 @@ def _learner(rank: int, args: argparse.Namespace, endpoint: str, port: int, queu
                 "first_s": seconds[0],
                 "max_after_first_s": max(seconds[1:]),
                 "publish_runs_s": seconds,
+                # the publisher's own phase split, median over the publishes after the first
+                "phases_s": {
+                    k: round(statistics.median(p[k] for p in phases[1:]), 6) for k in phases[0]
+                },
                 "baseline_s": statistics.median(base[1:]),
                 "bound_s": statistics.median(copies),
                 "tensors": len(params),
@@ -268,6 +273,7 @@ def figures(result: dict[str, Any], args: argparse.Namespace, device: str) -> li
         "baseline_kind": "per-tensor broadcast",
         "publish_runs_s": [round(x, 6) for x in result.get("publish_runs_s", [])],
         "bound_kind": bound_kind,
+        "publish_phases_s": result.get("phases_s", {}),
     }
     common = {
         "bench": "weight_sync",

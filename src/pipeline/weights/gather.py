@@ -170,21 +170,35 @@ class BucketGatherer:
         return out
 
 
-def copy_chunk(source: Source, chunk: Chunk, dtype: torch.dtype, out: torch.Tensor) -> None:
-    """Copy bytes [chunk.start, chunk.start + nbytes) of a full tensor into bucket `out`,
-    casting to `dtype` on the way (chunks start and end on element boundaries)."""
+def chunk_copies(
+    source: Source, chunk: Chunk, dtype: torch.dtype, out: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) views that copy bytes [chunk.start, chunk.start + nbytes) of a
+    full tensor into bucket `out`, cast to `dtype` by the copy (chunks start and end on
+    element boundaries)."""
     item = dtype.itemsize
     dst = out[chunk.offset : chunk.offset + chunk.nbytes].view(dtype)
     lo, hi = chunk.start // item, (chunk.start + chunk.nbytes) // item
     pos = 0
+    pairs = []
     for piece in source:
         n = piece.numel()
         a, b = max(lo, pos), min(hi, pos + n)
         if a < b:
-            dst[a - lo : b - lo].copy_(piece[a - pos : b - pos], non_blocking=True)
+            pairs.append((dst[a - lo : b - lo], piece[a - pos : b - pos]))
         pos += n
         if pos >= hi:
             break
+    return pairs
+
+
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """All copies in one foreach call: a few multi-tensor kernels on the GPU instead of one
+    launch (and ~15 us of host time) per tensor, which for the 0.5B model's 290 tensors
+    was most of a 1 GB sync's time on two H200s."""
+    if pairs:
+        dsts, srcs = zip(*pairs, strict=True)
+        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
 
 
 def pack(
@@ -194,5 +208,7 @@ def pack(
     out: torch.Tensor,
 ) -> None:
     """Fill one bucket buffer from gathered sources."""
+    pairs = []
     for chunk in chunks:
-        copy_chunk(gathered[chunk.name], chunk, dtypes[chunk.name], out)
+        pairs += chunk_copies(gathered[chunk.name], chunk, dtypes[chunk.name], out)
+    copy_pairs(pairs)

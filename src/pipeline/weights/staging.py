@@ -14,6 +14,7 @@ import torch
 
 from pipeline.weights import tp
 from pipeline.weights.checksum import checksum
+from pipeline.weights.gather import copy_pairs
 from pipeline.weights.validate import Layout, ParamSpec
 
 
@@ -40,7 +41,9 @@ class Staging:
 
     @torch.no_grad()
     def land(self, layout: Layout, bucket: int, buf: torch.Tensor) -> None:
-        """Unpack bucket `bucket` (a uint8 tensor of its size) into the staging tensors."""
+        """Unpack bucket `bucket` (a uint8 tensor of its size) into the staging tensors
+        (whole tensors by one foreach copy; a split tensor's last chunk after its assembly)."""
+        pairs = []
         for chunk, entry in layout.by_bucket[bucket]:
             data = buf[chunk.offset : chunk.offset + chunk.nbytes]
             if layout.verify and checksum(data) != entry.checksum:
@@ -59,4 +62,7 @@ class Staging:
                     continue
                 full_bytes = asm
             full = full_bytes.view(dtype).view(shape)
-            self.tensors[chunk.name].copy_(tp.shard(chunk.name, full, self.tp_rank, self.tp_size))
+            pairs.append(
+                (self.tensors[chunk.name], tp.shard(chunk.name, full, self.tp_rank, self.tp_size))
+            )
+        copy_pairs(pairs)

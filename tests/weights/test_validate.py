@@ -86,3 +86,29 @@ def test_unknown_transport_and_dtype_names():
         validate_meta(msgspec.structs.replace(meta, entries=entries), shard_specs(0, 1))
     assert info.value.problems["transport"] == ["carrier-pigeon"]
     assert "float7" in info.value.problems["dtype"][0]
+
+
+def test_a_receiver_reuses_the_layout_of_an_unchanged_meta_and_checks_any_change():
+    from pipeline.weights import WeightReceiver
+    from tests.weights.wsync_common import free_port
+
+    receiver = WeightReceiver(
+        "engine-0", f"tcp://127.0.0.1:{free_port()}", shard_specs(0, 1), lambda t, v: None
+    )
+    try:
+        first = receiver._validate(_meta(version=3))
+        again = receiver._validate(_meta(version=4))
+        assert (first.version, again.version) == (3, 4)
+        assert again.by_bucket is first.by_bucket  # not validated again
+        assert again == validate_meta(_meta(version=4), shard_specs(0, 1))
+        # any change is validated: another layout, a wrong shape, checksums (verify)
+        other = receiver._validate(_meta(bucket_bytes=4096, version=5))
+        assert other.bucket_sizes != first.bucket_sizes
+        meta = _meta(version=6)
+        entries = [msgspec.structs.replace(meta.entries[0], shape=(1, 2)), *meta.entries[1:]]
+        with pytest.raises(MetadataRejected, match="shape"):
+            receiver._validate(msgspec.structs.replace(meta, entries=entries))
+        verified = _meta(version=7, verify=True)
+        assert receiver._validate(verified).by_bucket is not receiver._validate(verified).by_bucket
+    finally:
+        receiver.close()

@@ -12,6 +12,10 @@ In the same run, with the same tensors and group:
             per-tensor gloo broadcast of the CUDA tensors
   bound     one copy of the same bytes into the first engine's memory: memcpy on CPU,
             device-to-device on one GPU, GPU to GPU where the engines hold other GPUs
+A publish is timed on the learner, from the call to every engine's WeightDone and the
+learner's device drained (the engine's copies out of the last bucket are queued on its
+device, not awaited, when it answers); `config.publish_phases_s` splits it as the publisher
+does (group, meta, buckets, done).
 Prints a table, then one JSON object per figure; `ratio` > 1 means better than the
 baseline, `fraction_of_bound` <= 1 is how close to the copy bound the publish gets.
 """

@@ -108,7 +108,7 @@ def _learner(rank: int, args: argparse.Namespace, endpoint: str, port: int, queu
 
     from pipeline.weights import PublishConfig, WeightHub, WeightPublisher
 
-    learner_devices, _, transport = _devices(args)
+    learner_devices, engine_devices, transport = _devices(args)
     device = learner_devices[rank]
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -175,7 +175,7 @@ def _learner(rank: int, args: argparse.Namespace, endpoint: str, port: int, queu
         size = max(total, 256 << 20)
         src = torch.ones(size, dtype=torch.uint8, device=device)
         # into the first engine's memory: GPU to GPU (NVLink) where they hold another GPU
-        dst = torch.empty(size, dtype=torch.uint8, device=_devices(args)[1][0])
+        dst = torch.empty(size, dtype=torch.uint8, device=engine_devices[0])
         dst.copy_(src)
         copies = []
         for _ in range(max(3, args.repeats)):

@@ -24,13 +24,14 @@ import zmq
 import zmq.asyncio
 from structlog.testing import capture_logs
 
-from pipeline.codec import Limits, TensorPack, decode, encode
+from pipeline.codec import Limits, TensorPack, _iter_refs, _ref_fields, decode, encode
 from pipeline.errors import SchemaMismatch
 from pipeline.log import get_logger
 from pipeline.messages import (
     SCHEMA_VERSION,
     ConfigMsg,
     Credit,
+    Experience,
     Header,
     Heartbeat,
     Hello,
@@ -160,6 +161,57 @@ def test_nested_sample_refs_are_checked() -> None:
     with pytest.raises(SchemaMismatch) as info:
         decode(rollout_with_bad_sample(), allowed=frozenset({MsgType.ROLLOUT}), run_id=RUN)
     assert info.value.reason == "bad_tensor_size"
+
+
+def test_a_bad_ref_in_an_optional_field_of_a_nested_sample_is_checked() -> None:
+    ok = TensorRef(dtype="int32", shape=(4,), frame=2)
+    sample = Sample(
+        uid="r/0",
+        response_ids=ok,
+        behaviour_logprobs=TensorRef(dtype="float32", shape=(4,), frame=2),
+        token_versions=ok,
+        advantages=TensorRef(dtype="float32", shape=(4,), frame=3),  # no frame 3
+    )
+    body = msgspec.msgpack.encode(Experience(uid="r", prompt_ids=ok, samples=[sample, sample]))
+    with pytest.raises(SchemaMismatch) as info:
+        decode([header(MsgType.EXPERIENCE), body, ints(4)], run_id=RUN)
+    assert info.value.reason == "bad_tensor_ref"
+
+
+class _Leaf(msgspec.Struct):
+    ids: list[int]
+    table: dict[str, TensorRef]  # dicts are not walked for refs
+    name: str = ""
+
+
+class _Node(msgspec.Struct):
+    plain: list[_Leaf]
+    direct: TensorRef
+    maybe: TensorRef | None
+    pairs: tuple[int, TensorRef]
+    many: list[tuple[str, list[TensorRef]]]
+    anything: Any
+    children: list[_Node]  # recursive: only its other fields hold refs
+    count: int = 0
+
+
+def test_ref_fields_keep_every_field_that_can_hold_a_ref_and_skip_the_rest() -> None:
+    assert _ref_fields(_Node) == ("direct", "maybe", "pairs", "many", "anything", "children")
+    assert _ref_fields(_Leaf) == ()
+    assert _ref_fields(Sample) == (
+        "response_ids",
+        "behaviour_logprobs",
+        "token_versions",
+        "ref_logprobs",
+        "values",
+        "advantages",
+        "returns",
+    )
+    r1, r2, r3 = (ref(frame=i) for i in (10, 11, 12))
+    leaf = _Leaf(ids=[1, 2], table={})
+    child = _Node([leaf], r2, None, (1, r3), [], None, [])
+    node = _Node([leaf], r1, r2, (0, r3), [("a", [r1, r2])], [r3], [child])
+    assert sorted(r.frame for r in _iter_refs(node)) == [10, 10, 11, 11, 11, 12, 12, 12]
 
 
 def test_good_message_passes_the_same_checks() -> None:

@@ -41,6 +41,7 @@ from pipeline.messages import (
     Sample,
     TensorRef,
 )
+from pipeline.samples import TENSOR_FIELDS
 from pipeline.transport import ChannelConfig, ControlClient, ControlServer, QueueClient, QueueServer
 from pipeline.transport.control import PeerEvent
 
@@ -198,15 +199,7 @@ class _Node(msgspec.Struct):
 def test_ref_fields_keep_every_field_that_can_hold_a_ref_and_skip_the_rest() -> None:
     assert _ref_fields(_Node) == ("direct", "maybe", "pairs", "many", "anything", "children")
     assert _ref_fields(_Leaf) == ()
-    assert _ref_fields(Sample) == (
-        "response_ids",
-        "behaviour_logprobs",
-        "token_versions",
-        "ref_logprobs",
-        "values",
-        "advantages",
-        "returns",
-    )
+    assert _ref_fields(Sample) == TENSOR_FIELDS  # the samples module's own list
     r1, r2, r3 = (ref(frame=i) for i in (10, 11, 12))
     leaf = _Leaf(ids=[1, 2], table={})
     child = _Node([leaf], r2, None, (1, r3), [], None, [])

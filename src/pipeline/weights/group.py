@@ -90,12 +90,13 @@ def _nccl(store: dist.Store, spec: GroupAssign, options: GroupOptions, device: t
     except Exception as exc:  # DistBackendError / DistStoreError: NCCL names no member
         _abort(pg)
         others = ", ".join(m for r, m in enumerate(spec.members) if r != spec.rank)
+        cause = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise WeightSyncError(
             "group",
             others,
             f"the NCCL connect of weight group generation {spec.generation} did not complete "
             f"within {os.environ[CONNECT_TIMEOUT_ENV]}s (a member arrived but did not connect: "
-            f"dead or stuck): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            f"dead or stuck): {cause}",
         ) from exc
     return pg
 

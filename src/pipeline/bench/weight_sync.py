@@ -68,6 +68,15 @@ def _devices(args: argparse.Namespace) -> tuple[list[torch.device], list[torch.d
     raise SystemExit(f"{n} learners + {m} engines need {n + m} GPUs (have {count})")
 
 
+def _copy_kind(src: torch.device, dst: torch.device) -> str:
+    """What the bound's copy from `src` into `dst` is."""
+    if src.type == "cpu":
+        return "memcpy"
+    if src != dst:
+        return f"GPU-to-GPU copy ({src} to {dst})"
+    return "device-to-device copy"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -202,6 +211,7 @@ def _learner(rank: int, args: argparse.Namespace, endpoint: str, port: int, queu
                 },
                 "baseline_s": statistics.median(base[1:]),
                 "bound_s": statistics.median(copies),
+                "bound_kind": _copy_kind(device, engine_devices[0]),
                 "tensors": len(params),
             }
         )
@@ -255,13 +265,6 @@ def _engine(index: int, args: argparse.Namespace, endpoint: str) -> None:
 
 def figures(result: dict[str, Any], args: argparse.Namespace, device: str) -> list[dict]:
     gb = result["bytes"] / 1e9
-    learner, engine, _ = _devices(args)
-    if args.device == "cpu":
-        bound_kind = "memcpy"
-    elif engine[0] != learner[0]:
-        bound_kind = f"GPU-to-GPU copy ({learner[0]} to {engine[0]})"
-    else:
-        bound_kind = "device-to-device copy"
     config = {
         "shape": args.shape,
         "learners": args.learners,
@@ -276,7 +279,7 @@ def figures(result: dict[str, Any], args: argparse.Namespace, device: str) -> li
         "dtype": "bfloat16",
         "baseline_kind": "per-tensor broadcast",
         "publish_runs_s": [round(x, 6) for x in result.get("publish_runs_s", [])],
-        "bound_kind": bound_kind,
+        "bound_kind": result["bound_kind"],
         "publish_phases_s": result.get("phases_s", {}),
     }
     common = {

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from pipeline.bench.common import device_defaults, emit, figure, table
+from pipeline.bench.gpu_clocks import ClockSampler, at_top_clock, per_step
 from pipeline.bench.optimizer_paths import optimizer_paths
 from pipeline.bench.profiling import print_profile, sync_sites
 from pipeline.bench.rollout_decode import (
@@ -179,18 +180,25 @@ def time_consecutive(
     device: torch.device,
     steps: int,
     windows: int,
-) -> None:
+    sampler: ClockSampler | None = None,
+) -> list[dict[str, Any]]:
     """`windows` runs of `steps` steps back to back, each submitted before the previous
     one is settled (its metrics or loss read), the device drained only before the first
     and after the last of a run; into `runs`' consecutive entries. A step's seconds run
     from a mark queued when it is submitted to the next step's mark (CUDA events: the
-    device's time per step, idle waits for the host included)."""
+    device's time per step, idle waits for the host included). Returns each step's clock
+    samples (`gpu_clocks.per_step`; none without a sampler): the device is idle when a
+    run's first mark is queued, so that mark runs at once and anchors the device's step
+    times on the host's clock."""
+    clocks: list[dict[str, Any]] = []
     for _ in range(windows):
         sync(device)
         start = time.perf_counter()
         marks, pending = [], None
-        for _ in range(steps):
+        for k in range(steps):
             marks.append(_mark(device))
+            if k == 0:
+                anchor = time.perf_counter()
             before = time.perf_counter()
             queued = submit()
             runs.setdefault("consecutive_host", []).append(time.perf_counter() - before)
@@ -204,6 +212,10 @@ def time_consecutive(
         runs.setdefault("consecutive", []).extend(
             _seconds_between(a, b) for a, b in itertools.pairwise(marks)
         )
+        if sampler is not None:
+            edges = [_seconds_between(marks[0], m) for m in marks]
+            clocks += per_step(sampler.samples, anchor, edges)
+    return clocks
 
 
 def _mark(device: torch.device) -> Any:
@@ -278,13 +290,14 @@ def run_ours(
         seconds, metrics = timed(step, device)
         runs["drained"].append(seconds)
     results: list[dict[str, float]] = []
-    time_consecutive(
+    clocks = time_consecutive(
         runs,
         lambda: trainer.submit_step(experience),
         lambda pending: results.append(pending.result()),
         device,
         args.steps,
         args.windows,
+        args.sampler,
     )
     skipped = sum(m.get("actor/skipped_updates", 0.0) for m in [metrics, *results])
     progress(f"ours (kl={kl}, {overrides or 'profile'}): {rounded(runs)} s")
@@ -314,6 +327,7 @@ def run_ours(
         **({"profile": profiled} if profiled else {}),
         **({"profile_consecutive": profiled_consecutive} if profiled_consecutive else {}),
         **({"sync_sites": syncs} if syncs is not None else {}),
+        **({"clocks": clocks} if clocks else {}),
     }
     return runs, info
 
@@ -360,6 +374,7 @@ def run_hf(
     if compiled:
         systems["compiled"] = torch.compile(model)
     out: dict[str, Timings] = {}
+    clocks: dict[str, list[dict[str, Any]]] = {}
     for name, module in systems.items():
 
         def step(module: Any = module) -> torch.Tensor:
@@ -379,13 +394,14 @@ def run_hf(
             runs["drained"].append(seconds)
             losses.append(float(loss))
         # the loss read one step late, like ours' metrics
-        time_consecutive(
+        clocks[f"hf_{name}"] = time_consecutive(
             runs,
             step,
             lambda loss, out=losses: out.append(float(loss)),
             device,
             args.steps,
             args.windows,
+            args.sampler,
         )
         if not all(math.isfinite(x) for x in losses):
             raise RuntimeError(f"transformers {name} step produced a non-finite loss")
@@ -398,6 +414,7 @@ def run_hf(
         "hf_loss": "model(input_ids, labels=input_ids).loss (shifted CE over all tokens)",
         "hf_compile": "torch.compile(model), default mode" if compiled else "none",
         "hf_compiled": compiled,
+        "clocks": clocks,
     }
     return out, info
 
@@ -444,6 +461,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         ours, ours_info = run_ours(
             model_dir, experience, args, device, peak, kl=False, trace=args.trace
         )
+        clocks = {"ours": ours_info.pop("clocks", [])}
         free_memory(device)
         variants: dict[str, Timings] = {}
         variant_info: dict[str, Any] = {}
@@ -465,6 +483,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 variant_info[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             else:
                 variants[name] = runs
+                clocks[name] = vinfo.pop("clocks", [])
                 keep = ("trainer", "profile", "profile_consecutive", "sync_sites")
                 variant_info[name] = {k: vinfo[k] for k in keep if k in vinfo}
             free_memory(device)
@@ -481,6 +500,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
             free_memory(device)
         hf, hf_info = run_hf(model_dir, ids, args, device)
+        clocks.update(hf_info.pop("clocks"))
         free_memory(device)
     tokens = args.batch * args.seq
     n_params = ours_info["params"]
@@ -560,6 +580,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         **{k: v for k, v in ours_info.items() if k != "params"},
         **({"variants": variant_info} if variant_info else {}),
         **hf_info,
+        **clock_figures(systems, clocks, flops_per_token, tokens, peak),
     }
     bound_tps = rate / flops_per_token
 
@@ -614,6 +635,41 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
         )
     return figures
+
+
+def clock_figures(
+    systems: dict[str, Timings],
+    clocks: dict[str, list[dict[str, Any]]],
+    flops_per_token: float,
+    tokens: int,
+    peak: float,
+) -> dict[str, Any]:
+    """The consecutive steps' SM clocks and power (sampled through NVML; nothing where it
+    is missing), and each system's median step among the steps run entirely at the top
+    SM clock seen: what the code does when the board does not lower its clock."""
+    if not any(clocks.values()):
+        return {}
+    top = max(c["sm_mhz_min"] for steps in clocks.values() for c in steps if c)
+    at_top: dict[str, Any] = {}
+    for name, steps in clocks.items():
+        fast = at_top_clock(systems[name]["consecutive"], steps, top) if steps else []
+        if fast:
+            seconds = statistics.median(fast)
+            at_top[name] = {
+                "steps": len(fast),
+                "of": len(steps),
+                "median_s": round(seconds, 5),
+                "mfu": round(flops_per_token * tokens / seconds / peak, 4),
+            }
+    return {
+        "clock_consecutive": clocks,
+        "clock_top_sm_mhz": top,
+        "at_top_clock": at_top,
+        "clock_note": "per consecutive step: the median and lowest SM clock (MHz), mean "
+        "power (W), highest temperature and the clock-limit reasons of the NVML samples "
+        "(every 10 ms) that fell in it; at_top_clock: the steps whose every sample ran at "
+        "the top clock seen in the run, their median seconds and the MFU of that median",
+    }
 
 
 def rounded_all(systems: dict[str, Timings]) -> dict[str, dict[str, list[float]]]:
@@ -705,7 +761,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("PIPELINE_LOG_LEVEL", "warning")
-    figs = run(args)
+    args.sampler = ClockSampler.open(torch.device(args.device))
+    if args.sampler is not None:
+        args.sampler.start()
+    try:
+        figs = run(args)
+    finally:
+        if args.sampler is not None:
+            args.sampler.close()
     c = figs[0]["config"]
     print(
         f"{BENCH}  shape={args.shape} device={figs[0]['device']} batch={args.batch} "
@@ -718,6 +781,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {label}:")
         print("    tokens/s " + "  ".join(f"{k} {v:.1f}" for k, v in tps.items()))
         print("    mfu      " + "  ".join(f"{k} {v:.4f}" for k, v in mfu.items()))
+    if c.get("at_top_clock"):
+        top = "  ".join(
+            f"{k} {v['median_s'] * 1e3:.2f} ms ({v['steps']}/{v['of']} steps) mfu {v['mfu']:.4f}"
+            for k, v in c["at_top_clock"].items()
+        )
+        print(f"  at the top SM clock ({c['clock_top_sm_mhz']} MHz): {top}")
     print(table(figs))
     emit(figs, args.json)
 

@@ -43,6 +43,10 @@ is not counted. Our trainer sends only the positions that predict response token
 the output layer (the loss reads nothing else), so its step executes fewer FLOPs than the
 model FLOPs counted (0.5B shape, prompt 128 of 512: 6.7 % fewer); `mfu_executed` counts
 only those it executes (transformers' step computes every position's logits).
+On CUDA a thread samples the GPU's SM clock, power and clock-limit reasons through NVML
+every 10 ms (bench/gpu_clocks.py): the JSON gives each consecutive step its clock
+(`clock_consecutive`) and each system's median step among those run wholly at the run's top
+clock (`at_top_clock`), since an H200 at its 700 W cap lowers the clock under this load.
 Prints a table, then one JSON object per figure (see BENCHMARKS.md).
 """
 

@@ -66,6 +66,7 @@ class Controller:
         self._records: Any = None
         self.started = time.time()
         self.last_progress = self.started
+        self.stepped = False  # a step finished since this controller started
 
     @property
     def run_id(self) -> str:
@@ -279,6 +280,7 @@ class Controller:
             self.schedule.write(row)
         self.steps_log.write(line)
         self.last_progress = now
+        self.stepped = True
         self.log.info("step_done", step=done.step, trained=line["trained"], dropped=line["dropped"])
         # journaled: now the version may be announced (the learner's acknowledgement), and
         # heartbeats carry it to everyone (stand-in engines read it there)
@@ -287,11 +289,21 @@ class Controller:
             Heartbeat(service="controller", policy_version=self.learner_version)
         )
 
+    def stall_limit(self) -> float:
+        """Seconds without a finished step before the run counts as stalled: the first
+        step this controller sees (after a start or a restart of the run, services compile
+        and capture their CUDA graphs on their first batch) gets
+        `controller.first_step_timeout_s` where set, every other `step_timeout_s`."""
+        cfg = self.config.controller
+        if not self.stepped and cfg.first_step_timeout_s > 0:
+            return cfg.first_step_timeout_s
+        return cfg.step_timeout_s
+
     async def watchdog(self) -> None:
-        """End the run with a clear error when no step finishes in `step_timeout_s`."""
-        limit = self.config.controller.step_timeout_s
+        """End the run with a clear error when no step finishes in `stall_limit()`."""
         while True:
             await asyncio.sleep(1.0)
+            limit = self.stall_limit()
             if time.time() - self.last_progress > limit:
                 self.log.error(
                     "run_stalled",

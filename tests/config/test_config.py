@@ -41,6 +41,8 @@ def test_dotted_overrides_are_typed():
         ({"services.rollout.pool": "gpu"}, "define [pools.gpu]"),
         ({"controller.steps": "'ten'"}, "must be an integer"),
         ({"algorithm.lam": "1.5"}, "algorithm.lam"),
+        ({"controller.step_timeout_s": "0"}, "step_timeout_s must be > 0"),
+        ({"controller.first_step_timeout_s": "-1"}, "first_step_timeout_s >= 0"),
     ],
 )
 def test_validation_errors_say_how_to_fix(override, message):

@@ -78,7 +78,6 @@ def e2e_jobs(device: str) -> list[Job]:
 
     env = os.environ.get
     common = ["--device", "cuda", "--shape", "0.5b", "--skip", "3"]
-    common += ["--controller.step_timeout_s", "300"]  # the first step waits for CUDA graphs
     common += ["--steps", env("BENCH_E2E_STEPS", "16")]
     common += ["--staleness", env("BENCH_E2E_STALENESS", "0,1,2")]
     if env("BENCH_E2E_RUNS"):

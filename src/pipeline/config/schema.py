@@ -95,11 +95,20 @@ class ControllerConfig:
     max_staleness: int = 1
     # prompts released but not yet trained, at most (also bounded by staleness)
     max_inflight_prompts: int = 64
+    # seconds without a finished step before the run ends as stalled
     step_timeout_s: float = 120.0
+    # the same for the first step a controller sees finish, which waits for every service's
+    # compiles and CUDA-graph captures on its first batch; 0: step_timeout_s
+    first_step_timeout_s: float = 0.0
 
     def validate(self) -> None:
         if self.steps < 1 or self.prompts_per_step < 1:
             raise ConfigError("controller.steps and controller.prompts_per_step must be >= 1")
+        if self.step_timeout_s <= 0 or self.first_step_timeout_s < 0:
+            raise ConfigError(
+                "controller.step_timeout_s must be > 0 and controller.first_step_timeout_s "
+                ">= 0 (0: the first step gets step_timeout_s)"
+            )
         if self.max_staleness < 0:
             raise ConfigError("controller.max_staleness must be >= 0 (0 = synchronous PPO)")
 

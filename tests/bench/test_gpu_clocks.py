@@ -3,6 +3,8 @@ from them (the NVML sampling itself needs a GPU: the learner bench on one exerci
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pipeline.bench.gpu_clocks import ClockSampler, Sample, at_top_clock, per_step, reason_names
@@ -67,3 +69,41 @@ def test_clock_figures_report_the_median_step_and_mfu_at_the_top_clock() -> None
 
 def test_no_sampler_on_cpu() -> None:
     assert ClockSampler.open(torch.device("cpu")) is None
+
+
+class _Driver:
+    """NVML's four calls as a driver answers them (the real library needs a GPU): each
+    writes its value through the pointer and returns 0, or returns `refuse[name]`."""
+
+    CALLS = {
+        "nvmlDeviceGetClockInfo": ("clock", 1980),
+        "nvmlDeviceGetPowerUsage": ("power", 690_500),
+        "nvmlDeviceGetCurrentClocksEventReasons": ("reasons", 0x4),
+        "nvmlDeviceGetTemperature": ("temp", 55),
+    }
+
+    def __init__(self, refuse: dict[str, int]) -> None:
+        for function, (name, value) in self.CALLS.items():
+            setattr(self, function, self._call(refuse.get(name), value))
+
+    @staticmethod
+    def _call(refused: int | None, value: int):
+        def call(_handle, *args):
+            if refused is not None:
+                return refused
+            args[-1]._obj.value = value  # the ctypes.byref(...) argument
+            return 0
+
+        return call
+
+
+def test_a_reading_keeps_what_nvml_gave_and_drops_a_sample_without_a_clock() -> None:
+    from pipeline.bench.gpu_clocks import _Nvml
+
+    full = _Nvml(_Driver({}), None).read()
+    assert full is not None
+    assert (full.sm_mhz, full.power_w, full.reasons, full.temp_c) == (1980, 690.5, 0x4, 55)
+    partial = _Nvml(_Driver({"power": 3, "temp": 3}), None).read()
+    assert partial is not None and partial.sm_mhz == 1980
+    assert math.isnan(partial.power_w) and partial.temp_c == -1
+    assert _Nvml(_Driver({"clock": 999}), None).read() is None

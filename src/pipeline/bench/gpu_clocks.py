@@ -79,16 +79,24 @@ class _Nvml:
         lib.nvmlShutdown()
         return None
 
-    def read(self) -> Sample:
+    def read(self) -> Sample | None:
+        """One sample, or None where NVML gave no SM clock; a power, reasons or temperature
+        reading it refuses stays nan, 0 or -1."""
         clock, power, temp = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
         reasons = ctypes.c_ulonglong()
-        self.lib.nvmlDeviceGetClockInfo(self.handle, _CLOCK_SM, ctypes.byref(clock))
-        self.lib.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(power))
+        if self.lib.nvmlDeviceGetClockInfo(self.handle, _CLOCK_SM, ctypes.byref(clock)) != 0:
+            return None
+        watts = float("nan")
+        if self.lib.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(power)) == 0:
+            watts = power.value / 1e3
         self._reasons(self.handle, ctypes.byref(reasons))
-        self.lib.nvmlDeviceGetTemperature(self.handle, _TEMPERATURE_GPU, ctypes.byref(temp))
-        return Sample(
-            time.perf_counter(), clock.value, power.value / 1e3, reasons.value, temp.value
-        )
+        celsius = -1
+        if (
+            self.lib.nvmlDeviceGetTemperature(self.handle, _TEMPERATURE_GPU, ctypes.byref(temp))
+            == 0
+        ):
+            celsius = temp.value
+        return Sample(time.perf_counter(), clock.value, watts, reasons.value, celsius)
 
     def close(self) -> None:
         self.lib.nvmlShutdown()
@@ -135,7 +143,9 @@ class ClockSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append(self._nvml.read())
+            sample = self._nvml.read()
+            if sample is not None:
+                self.samples.append(sample)
             self._stop.wait(self.interval_s)
 
 

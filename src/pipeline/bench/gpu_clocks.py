@@ -2,8 +2,9 @@
 
 A thread samples NVML (the driver's libnvidia-ml, loaded with ctypes: no Python package
 needed) every `interval_s`; `per_step` assigns the samples to device-timed steps. An H200
-under sustained load holds its 700 W cap by lowering the SM clock (1455-1845 MHz against
-1980 in the learner bench), so a step's seconds mean little without the clock it ran at.
+under sustained load holds its 700 W cap by lowering the SM clock (1410-1815 MHz against
+1980 in the learner bench at b6c031c), so a step's seconds mean little without the clock
+it ran at.
 
 The device is found by its UUID: NVML numbers GPUs without regard to CUDA_VISIBLE_DEVICES.
 Where NVML or CUDA is missing (CPU runs), `ClockSampler.open` returns None.

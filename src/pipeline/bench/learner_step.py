@@ -198,11 +198,11 @@ def time_consecutive(
     for _ in range(windows):
         sync(device)
         start = time.perf_counter()
-        marks, pending = [], None
+        marks, pending = [_mark(device)], None
+        anchor = time.perf_counter()  # when the first mark ran: the device is idle
         for k in range(steps):
-            marks.append(_mark(device))
-            if k == 0:
-                anchor = time.perf_counter()
+            if k:
+                marks.append(_mark(device))
             before = time.perf_counter()
             queued = submit()
             runs.setdefault("consecutive_host", []).append(time.perf_counter() - before)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from pipeline.weights.group import device_key
+
 _CLOCK_SM = 1  # nvmlClockType_t NVML_CLOCK_SM
 _TEMPERATURE_GPU = 0  # nvmlTemperatureSensors_t NVML_TEMPERATURE_GPU
 
@@ -117,7 +119,7 @@ class ClockSampler:
     def open(cls, device: torch.device, interval_s: float = 0.01) -> ClockSampler | None:
         if device.type != "cuda" or not torch.cuda.is_available():
             return None
-        nvml = _Nvml.open(str(torch.cuda.get_device_properties(device).uuid))
+        nvml = _Nvml.open(device_key(device))
         return None if nvml is None else cls(nvml, interval_s)
 
     def start(self) -> ClockSampler:

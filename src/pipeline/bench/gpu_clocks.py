@@ -106,7 +106,8 @@ class _Nvml:
 
 
 class ClockSampler:
-    """Samples one GPU from a thread between `start` and `stop` (or as a context)."""
+    """Samples one GPU from a thread between `start` and `stop`; `close` also releases
+    NVML."""
 
     def __init__(self, nvml: _Nvml, interval_s: float) -> None:
         self._nvml = nvml
@@ -122,11 +123,10 @@ class ClockSampler:
         nvml = _Nvml.open(device_key(device))
         return None if nvml is None else cls(nvml, interval_s)
 
-    def start(self) -> ClockSampler:
+    def start(self) -> None:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="clock-sampler", daemon=True)
         self._thread.start()
-        return self
 
     def stop(self) -> None:
         self._stop.set()
@@ -137,12 +137,6 @@ class ClockSampler:
     def close(self) -> None:
         self.stop()
         self._nvml.close()
-
-    def __enter__(self) -> ClockSampler:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def _run(self) -> None:
         while not self._stop.is_set():

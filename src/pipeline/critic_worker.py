@@ -1,31 +1,30 @@
-"""The critic service's model: values and GAE advantages per group, trained on returns.
+"""The critic's model side: values, KL-shaped rewards and GAE advantages per group, value
+updates, the KL controller, checkpoints; and the frozen reference when it lives here.
 
-Advantages are computed per group as it arrives (so the learner is never waiting on a
-whole batch here); the value model trains once a step's worth of groups has passed.
-Sharded (torchrun, `runtime/ranks.py`), rank 0 sends its other ranks each group before it
-annotates it: every rank computes its strided shard of the group, the shards are summed
-into the whole group on every rank, and every rank counts the same groups towards the
-next value update, which they then run together.
+Every rank of a sharded critic (torchrun, `runtime/ranks.py`) runs these methods on the
+same inputs in the same order: rank 0's service sends each call's command first, the other
+ranks run `execute`. Each rank computes its strided shard of a group, the shards are summed
+into the whole group on every rank, and every rank counts the same groups towards the next
+value update, which they run (and checkpoint) together.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from pipeline.learner_worker import groups_to_batch
 from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp
-from pipeline.runtime.ranks import TrainerThread, decode_groups, encode_groups, run_collective
+from pipeline.runtime.ranks import decode_groups
 from pipeline.samples import GroupArrays
+from pipeline.trainer_setup import batch_from_groups, reference_config
 
-T = TypeVar("T")
-ANNOTATED = ("values", "advantages", "returns")
+ANNOTATED = ("values", "advantages", "returns", "rewards")
+# what a group carries on from the critic's own metrics (GroupArrays.stats)
+_GROUP_STATS = ("kl/coef", "kl/reward_kl", "kl/reward_penalty", "critic/values_mean")
 
 
 class CriticWorker:
@@ -33,91 +32,122 @@ class CriticWorker:
         self.ctx = ctx
         self.config = ctx.config
         self.log = get_logger("critic_worker")
+        self.checkpoints = Path(ctx.run_dir) / "checkpoints" / "critic"
         self._seen: list[GroupArrays] = []
-        self._lock = asyncio.Lock()
-        self.steps = 0
-        # the other ranks of a sharded critic (None in one process)
-        self.ranks = ctx.ranks
-        self.thread = TrainerThread("critic")
-
-    async def _run(self, run: Callable[[], T], command: Callable[[], RankCommand]) -> T:
-        """One collective part at a time, on the trainer's thread (sharded: rank 0 first
-        sends the other ranks the command that makes them run the same)."""
-        async with self._lock:
-            return await run_collective(self.ranks, run, command, self.thread)
-
-    def close(self) -> None:
-        """Stop the trainer's thread (it holds nothing once the loop stops calling it)."""
-        self.thread.close()
+        self.steps = 0  # value updates so far (restored by a resume)
+        self.last_update: dict[str, float] = {}
+        self.trainer: Any = None
+        self.reference: Any = None
+        self.kl_ctrl: Any = None
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""
         op = RankOp(command.op)
         if op == RankOp.SETUP:
-            self._build()
+            self.build(command.step)
         elif op == RankOp.ANNOTATE:
             (group,) = decode_groups(command.groups)
-            self._annotate(group)
+            self.annotate(group)
+        elif op == RankOp.CLOSE:
+            self.save_last()
         else:
             raise ValueError(f"the critic has no part in {op.name}")
 
-    async def setup(self) -> None:
-        # off the loop, like the learner's
-        await self._run(self._build, lambda: RankCommand(op=RankOp.SETUP))
-
-    def _build(self) -> None:
+    def build(self, resume_step: int) -> None:
+        """The value model (sharded when distributed), the reference where it is hosted
+        here, the KL controller; resumed from checkpoint `resume_step` when >= 0."""
         import torch
 
         from pipeline.algorithms.kl_controller import make_kl_controller
         from pipeline.tasks import model_dir
         from pipeline.training import CriticTrainer
+        from pipeline.training.distributed import log_sharding
+        from pipeline.training.reference import ReferencePolicy
 
         torch.set_num_threads(max(1, self.config.run.torch_threads))
         directory = model_dir(self.config, Path(self.ctx.run_dir))
         # whitening belongs to the learner, over the whole step's batch
         algorithm = dataclasses.replace(self.config.algorithm, whiten_advantages=False)
-        self.trainer = CriticTrainer(str(directory), self.config.critic.trainer, algorithm)
+        trainer_config = self.config.critic.trainer
+        self.trainer = CriticTrainer(str(directory), trainer_config, algorithm)
+        if self.config.reference_host() == "critic":
+            ref = reference_config(self.config, trainer_config.device)
+            self.reference = ReferencePolicy(str(directory), ref, dist=self.trainer.info)
         self.kl_ctrl = make_kl_controller(self.config.algorithm)
-        from pipeline.learner_worker import log_sharding
-
         log_sharding(self.log, self.trainer)
+        if resume_step >= 0:
+            loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)
+            self.steps = int(loaded.extra.get("steps", loaded.step))
+            self.kl_ctrl.value = float(loaded.extra.get("kl_coef", self.kl_ctrl.value))
+            self.last_update = dict(loaded.extra.get("last_update", {}))
+            if self.trainer.info.rank == 0:
+                self.log.info("resumed", step=self.steps, kl_coef=self.kl_ctrl.value)
 
-    async def annotate(self, group: GroupArrays) -> None:
-        await self._run(
-            lambda: self._annotate(group),
-            lambda: RankCommand(op=RankOp.ANNOTATE, groups=encode_groups([group])),
-        )
-
-    def _annotate(self, group: GroupArrays) -> None:
-        batch = groups_to_batch([group])
+    def annotate(self, group: GroupArrays) -> None:
+        """Values, token rewards, advantages, returns (and reference log-probs when hosted
+        here) into the group's samples; a value update once a step's worth has passed."""
+        batch = batch_from_groups([group])
         info = self.trainer.info
+        local = batch.shard(info.rank, info.world_size) if info.world_size > 1 else batch
+        fields = list(ANNOTATED)
+        if self.reference is not None:
+            local = local.replace(ref_logprobs=self.reference.logprobs(local))
+            fields.append("ref_logprobs")
+        local, metrics = self.trainer.compute_advantages(local, self.kl_ctrl)
         if info.world_size > 1:
             from pipeline.training.distributed import gather_strided_rows
 
-            local, _ = self.trainer.compute_advantages(
-                batch.shard(info.rank, info.world_size), self.kl_ctrl
-            )
             n, width = batch.num_samples, batch.max_response_len
             batch = batch.replace(
-                **{name: gather_strided_rows(getattr(local, name), n, width) for name in ANNOTATED}
+                **{name: gather_strided_rows(getattr(local, name), n, width) for name in fields}
             )
         else:
-            batch, _ = self.trainer.compute_advantages(batch, self.kl_ctrl)
+            batch = local
         by_uid = {s.uid: s for s in group.samples}
-        for name in ANNOTATED:
+        for name in fields:
             for uid, array in zip(batch.uids, batch.unpad(name), strict=True):
                 by_uid[uid].extra[name] = np.asarray(array, np.float32)
+        group.stats.update({k: float(metrics[k]) for k in _GROUP_STATS if k in metrics})
+        group.stats.update(self.last_update)
         self._seen.append(group)
         if len(self._seen) >= self.config.controller.prompts_per_step:
-            seen, self._seen = self._seen, []
-            train_batch = groups_to_batch(seen)
-            if info.world_size > 1:
-                train_batch = train_batch.shard(info.rank, info.world_size)
-            metrics = self.trainer.train_step(train_batch)
-            self.steps += 1
-            if info.rank == 0:
-                self.log.info(
-                    "critic_step",
-                    step=self.steps,
-                    **{k: round(float(v), 5) for k, v in metrics.items()},
-                )
+            self._update()
+
+    def _update(self) -> None:
+        seen, self._seen = self._seen, []
+        batch = batch_from_groups(seen)
+        info = self.trainer.info
+        if info.world_size > 1:
+            batch = batch.shard(info.rank, info.world_size)
+        metrics = self.trainer.train_step(batch)
+        self.steps += 1
+        self.last_update = {
+            "critic/value_loss": float(metrics["critic/value_loss"]),
+            "critic/updates": float(self.steps),
+        }
+        if info.rank == 0:
+            self.log.info(
+                "critic_step",
+                step=self.steps,
+                kl_coef=self.kl_ctrl.value,
+                **{k: round(float(v), 5) for k, v in metrics.items()},
+            )
+        every = self.config.critic.checkpoint_every
+        if every and self.steps % every == 0:
+            self._save()
+
+    def _save(self) -> None:
+        extra = {
+            "steps": self.steps,
+            "kl_coef": self.kl_ctrl.value,
+            "last_update": self.last_update,
+        }
+        self.trainer.save_checkpoint(
+            self.checkpoints, extra=extra, keep_last=self.config.critic.keep_checkpoints
+        )
+
+    def save_last(self) -> None:
+        """At the end: a checkpoint of the last value update, unless it already has one."""
+        every = self.config.critic.checkpoint_every
+        if self.steps > 0 and not (every and self.steps % every == 0):
+            self._save()

@@ -204,6 +204,8 @@ class Sample(msgspec.Struct, array_like=True, kw_only=True, gc=False, omit_defau
     values: TensorRef | None = None  # (resp_len,) float32
     advantages: TensorRef | None = None  # (resp_len,) float32
     returns: TensorRef | None = None  # (resp_len,) float32
+    # per-token rewards the critic shaped (score minus the KL penalty): V-trace's input
+    rewards: TensorRef | None = None  # (resp_len,) float32
 
 
 class SampleGroup(_Wire):
@@ -216,6 +218,9 @@ class SampleGroup(_Wire):
     ground_truth: str = ""
     released_version: int = 0
     reward_errors: int = 0
+    # what a stage measured on this group (e.g. the critic's kl/coef): the learner averages
+    # each over its step's groups into the step's metrics
+    stats: dict[str, float] = {}
 
 
 class Rollout(SampleGroup):
@@ -323,6 +328,8 @@ QUEUE_TYPES: dict[str, frozenset[MsgType]] = {
     "rollouts": frozenset({MsgType.ROLLOUT}),
     "scored": frozenset({MsgType.SCORED}),
     "experience": frozenset({MsgType.EXPERIENCE}),
+    # scored groups with the reference policy's log-probs (the reference service's output)
+    "referenced": frozenset({MsgType.SCORED}),
 }
 
 

@@ -18,6 +18,7 @@ TENSOR_FIELDS = (
     "values",
     "advantages",
     "returns",
+    "rewards",
 )
 
 
@@ -44,6 +45,7 @@ class GroupArrays:
     ground_truth: str = ""
     released_version: int = 0
     reward_errors: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 def read_group(message: codec.Message) -> GroupArrays:
@@ -75,6 +77,7 @@ def read_group(message: codec.Message) -> GroupArrays:
         ground_truth=body.ground_truth,
         released_version=body.released_version,
         reward_errors=body.reward_errors,
+        stats=dict(body.stats),
     )
 
 
@@ -109,5 +112,6 @@ def write_group(group: GroupArrays, cls: type[SampleGroup]) -> tuple[SampleGroup
         ground_truth=group.ground_truth,
         released_version=group.released_version,
         reward_errors=group.reward_errors,
+        stats=dict(group.stats),
     )
     return body, pack

@@ -3,11 +3,12 @@
 The learner hosts a `WeightHub` at an address derived from the config (like every other
 socket of the run); each rollout replica registers a `WeightReceiver` there. After every
 step the learner publishes the new version in buckets (gloo on CPU, NCCL between GPUs,
-CUDA IPC on a shared GPU); each engine applies it between decode steps and only then
-reports the version as serving. A sharded learner publishes from every rank (each joins
-the FSDP gathers; rank 0 alone talks to the engines): rank 0 sends its other ranks the
-PUBLISH command first (`runtime/ranks.py`), including for a publish an engine's
-(re)registration starts between steps.
+CUDA IPC on a shared GPU); each engine copies it from the receiver's staging tensors into
+its live weights between two steps, and only then acknowledges it (WeightDone) and reports
+the version as serving. A sharded learner publishes from every rank (each joins the FSDP
+gathers; rank 0 alone talks to the engines): rank 0 sends its other ranks the PUBLISH
+command first (`runtime/ranks.py`), including for a publish an engine's (re)registration
+starts between steps.
 """
 
 from __future__ import annotations
@@ -51,35 +52,55 @@ def group_options(config: PipelineConfig, role: str) -> Any:
 
 def publish_config(config: PipelineConfig) -> Any:
     """Rollout dtype; CUDA IPC where learner and engines share a GPU (NCCL cannot put two
-    ranks on one device), else NCCL between GPUs / gloo on CPU."""
+    ranks on one device), else NCCL between GPUs / gloo on CPU; striped senders and the
+    bucket size from `learner.weights`."""
     from pipeline.weights import PublishConfig
 
     shared = config.shares_device("rollout", "learner")
+    section = config.learner.weights
     return PublishConfig(
+        bucket_bytes=section.bucket_mb << 20,
         dtype=getattr(torch, config.model.dtype),
+        striped=section.striped,
         transport="cuda_ipc" if shared else "auto",
         group=group_options(config, "learner"),
     )
 
 
+def make_hub(ctx: Any) -> Any:
+    """Rank 0's registry of engines, where they can reach it; None without engines."""
+    from pipeline.weights import WeightHub
+
+    config = ctx.config
+    if config.replicas("rollout") < 1:
+        return None
+    # the rendezvous store listens where the engines can reach it: the learner's host
+    return WeightHub(
+        endpoint=hub_endpoint(config),
+        store_host=pool_host(config, "learner"),
+        run_id=ctx.run_id,
+    )
+
+
+def make_publisher(config: PipelineConfig, model: torch.nn.Module, hub: Any) -> Any:
+    """Every learner rank's part of a weight update: rank 0's, with the hub, decides and
+    talks to the engines; the others join the FSDP gathers (and send their stripe)."""
+    from pipeline.weights import WeightPublisher
+
+    return WeightPublisher(model, hub=hub, config=publish_config(config))
+
+
 class LearnerWeights:
-    """The learner's side: publish after each step, report seconds and GB/s."""
+    """Rank 0's side of the engines: sync after each step, re-sync a (re)registered engine
+    between steps; reports seconds and GB/s. The publish itself runs on the trainer's
+    thread, with a sharded learner's other ranks told first."""
 
-    def __init__(self, ctx: Any, model: torch.nn.Module) -> None:
-        from pipeline.weights import WeightHub, WeightPublisher
-
-        self.ctx = ctx
+    def __init__(self, ctx: Any, hub: Any, publisher: Any, thread: Any) -> None:
+        self.hub = hub
+        self.publisher = publisher
+        self.thread = thread
         self.replicas = ctx.config.replicas("rollout")
-        config = ctx.config
-        # the rendezvous store listens where the engines can reach it: the learner's host
-        self.hub = WeightHub(
-            endpoint=hub_endpoint(config),
-            store_host=pool_host(config, "learner"),
-            run_id=ctx.run_id,
-        )
-        self.publisher = WeightPublisher(model, hub=self.hub, config=publish_config(ctx.config))
         self.version = ctx.policy_version  # the version the engines should serve
-        self.ranks = ctx.ranks  # rank 0 of a sharded learner: the other ranks publish too
         self._lock = asyncio.Lock()  # one user of the hub's socket at a time
         self._watch = asyncio.get_running_loop().create_task(self._watch_members())
 
@@ -94,41 +115,30 @@ class LearnerWeights:
                 joined = self.hub.changed and bool(self.hub.members)
             if joined:
                 log.info("engines_changed", engines=self.hub.names(), version=self.version)
-                await self.publish(self.version)
+                await self.sync(self.version)
 
-    async def publish(self, version: int) -> dict[str, float]:
+    async def sync(self, version: int) -> dict[str, float]:
+        """Publish the trainer's weights as `version`; a failed sync leaves the engines on
+        the old version and the run goes on."""
+        from pipeline.errors import WeightSyncError
+        from pipeline.messages import RankCommand, RankOp
+
         async with self._lock:
             self.version = version
-            return await self._publish(version)
-
-    async def _publish(self, version: int) -> dict[str, float]:
-        from pipeline.errors import WeightSyncError
-
-        try:
-            if self.ranks is None:
-                report = await asyncio.to_thread(self.publisher.publish, version)
-            else:
-                report = await asyncio.to_thread(self._lead_publish, version)
-        except WeightSyncError as exc:
-            # the old version keeps serving on the engines; the run goes on
-            log.error("weight_sync_failed", version=version, error=str(exc))
-            return {"sync_failed": 1.0}
+            command = RankCommand(op=RankOp.PUBLISH, version=version)
+            try:
+                # the publisher makes every rank raise WeightSyncError alike
+                report = await self.thread.run(
+                    self.publisher.publish, version, command=command, agreed=(WeightSyncError,)
+                )
+            except WeightSyncError as exc:
+                log.error("weight_sync_failed", version=version, error=str(exc))
+                return {"sync_failed": 1.0}
         return {
             "sync_seconds": float(report.seconds),
             "sync_gbps": float(report.gbps),
             "sync_bytes": float(report.bytes),
         }
-
-    def _lead_publish(self, version: int) -> Any:
-        from pipeline.errors import WeightSyncError
-        from pipeline.messages import RankCommand, RankOp
-
-        assert self.ranks is not None
-        return self.ranks.lead(
-            RankCommand(op=RankOp.PUBLISH, version=version),
-            lambda: self.publisher.publish(version),
-            agreed=(WeightSyncError,),  # the publisher makes every rank raise it alike
-        )
 
     async def wait_for_engines(self, timeout_s: float) -> None:
         names = await asyncio.to_thread(self.hub.wait_for_members, self.replicas, timeout_s)
@@ -142,32 +152,16 @@ class LearnerWeights:
         self.hub.close()
 
 
-async def make_publisher(ctx: Any, model: torch.nn.Module) -> LearnerWeights | None:
-    if ctx.config.replicas("rollout") < 1:
-        return None
-    return LearnerWeights(ctx, model)
-
-
-def follower_publisher(config: PipelineConfig, model: torch.nn.Module) -> Any:
-    """A learner rank other than 0: its part of every publish (the FSDP gathers), with no
-    hub; rank 0 decides, talks to the engines and shares the outcome."""
-    from pipeline.weights import WeightPublisher
-
-    return WeightPublisher(model, hub=None, config=publish_config(config))
-
-
 def start_receiver(ctx: Any, runner: Any) -> Any:
-    """The engine's side: a receiver thread that stages complete updates into the engine."""
+    """The engine's side: a receiver thread that hands each complete update to the engine
+    and acknowledges it once the engine serves it."""
     from pipeline.weights import WeightReceiver
-
-    def apply(tensors: dict[str, torch.Tensor], version: int) -> None:
-        runner.update_weights(tensors.items(), version)  # copies; applied at a safe point
 
     receiver = WeightReceiver(
         f"rollout-{ctx.replica}",
         hub_endpoint(ctx.config),
         runner.engine.model,
-        apply,
+        runner.update_weights,
         replica=ctx.replica,
         options=group_options(ctx.config, "rollout"),
         run_id=ctx.run_id,

@@ -1,4 +1,10 @@
-"""Critic: values, KL-shaped rewards and advantages for each scored group, then trains."""
+"""Critic: values, KL-shaped rewards and advantages for each scored group, then trains.
+
+The model side (`CriticWorker`) runs on one trainer thread; a sharded critic's rank 0
+sends its other ranks each call's command first (`TrainerThread`), so every rank runs the
+same methods in the same order. A restarted critic resumes from its latest checkpoint
+(`critic.checkpoint_every`): value model, optimizer, schedule and KL coefficient.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,14 @@ from typing import Any
 import numpy as np
 
 from pipeline import codec
-from pipeline.messages import Experience
+from pipeline.messages import Experience, RankCommand, RankOp
+from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group, write_group
 
 
 def group_baseline(group: GroupArrays) -> None:
-    """Stand-in advantages until the critic model is wired: score minus the group mean."""
+    """Stand-in advantages (run.standin): score minus the group mean."""
     scores = np.array([s.score for s in group.samples], np.float32)
     baseline = scores.mean() if len(scores) else 0.0
     for sample, score in zip(group.samples, scores, strict=True):
@@ -35,23 +42,32 @@ class CriticService(Service):
         return CriticWorker(ctx)
 
     async def setup(self) -> None:
-        self.worker = None
-        if not self.config.run.standin:
-            from pipeline.critic_worker import CriticWorker
+        self.worker: Any = None
+        self.thread = TrainerThread("critic", self.ctx.ranks)
+        if self.config.run.standin:
+            return
+        from pipeline.critic_worker import CriticWorker
+        from pipeline.training import latest_step
 
-            self.worker = CriticWorker(self.ctx)
-            await self.worker.setup()
+        self.worker = CriticWorker(self.ctx)
+        resume = latest_step(self.worker.checkpoints)
+        step = -1 if resume is None else resume
+        await self.thread.run(
+            self.worker.build, step, command=RankCommand(op=RankOp.SETUP, step=step)
+        )
 
     async def teardown(self) -> None:
-        if getattr(self, "worker", None) is not None:
-            self.worker.close()
+        if self.worker is not None and self.worker.trainer is not None:
+            await self.thread.run(self.worker.save_last, command=RankCommand(op=RankOp.CLOSE))
+        self.thread.close()
 
     async def handle(self, message: codec.Message) -> list[Output]:
         group = read_group(message)
         if self.worker is None:
             group_baseline(group)
         else:
-            await self.worker.annotate(group)
+            command = RankCommand(op=RankOp.ANNOTATE, groups=encode_groups([group]))
+            await self.thread.run(self.worker.annotate, group, command=command)
         return [write_group(group, Experience)]
 
 

@@ -29,10 +29,12 @@ import numpy as np
 
 from pipeline import codec
 from pipeline.learner_worker import LearnerWorker, TrainedStep
-from pipeline.messages import StepDone
+from pipeline.messages import RankCommand, RankOp, StepDone
+from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group
 from pipeline.step_reports import StepReports
+from pipeline.trainer_setup import group_stats
 from pipeline.transport import Delivery
 from pipeline.transport.channel import cancel_and_wait
 
@@ -77,44 +79,78 @@ class LearnerService(Service):
 
     @classmethod
     def follower(cls, ctx: Any) -> LearnerWorker:
-        """A learner rank other than 0 (torchrun): the trainer's side of rank 0's steps."""
+        """A learner rank other than 0 (torchrun): the model side of rank 0's steps."""
         return LearnerWorker(ctx)
 
     async def setup(self) -> None:
         self.version = self.ctx.policy_version
         self.step = self.version
-        self.trainer: Any = None
+        self.worker: LearnerWorker | None = None
+        self.weights: Any = None  # rank 0's link to the engines (LearnerWeights)
+        self.thread = TrainerThread("learner", self.ctx.ranks)
         self.reports: StepReports | None = None
         self._watch: asyncio.Task[None] | None = None
+        # what the weights include last: from the checkpoint resumed, then each step trained
+        self.last_step: TrainedStep | None = None
         # queue uids of the groups the resumed checkpoint's weights already include
         self.settled: frozenset[str] = frozenset()
         self._holds = hold_points(os.environ.get(HOLD_ENV, ""))
         if self.ctx.control is not None:  # not when replaying
             self.reports = StepReports(self.ctx.control)
             self._watch = asyncio.create_task(self.reports.watch())
-        if not self.config.run.standin:
-            known = self.ctx.policy_version  # the controller's: steps reported so far
-            self.trainer = LearnerWorker(self.ctx)
-            await self.trainer.setup()
-            self.version = self.step = self.trainer.step
-            if self.trainer.last_step is not None and self.reports is not None:
-                await self.settle(self.trainer.last_step)
-            if self.reports is not None:
-                self._settle_reported()
-            if known > self.step and self.ctx.control is not None:
-                # the checkpoint is older than the last reported step (checkpoint_every > 1,
-                # or 0): those updates are lost, but step numbers and versions go on from the
-                # controller's, so no step is reported twice and staleness stays consistent
-                self.log.warning(
-                    "resumed_behind",
-                    checkpoint_step=self.step,
-                    reported_steps=known,
-                    lost_updates=known - self.step,
-                    hint="set learner.checkpoint_every = 1 to lose none",
-                )
-                self.version = self.step = known
-                self.trainer.relabel(known)
-                self.ctx.control.policy_version = known
+        if self.config.run.standin:
+            return
+        known = self.ctx.policy_version  # the controller's: steps reported so far
+        await self._build()
+        if self.last_step is not None and self.reports is not None:
+            await self.settle(self.last_step)
+        if self.reports is not None:
+            self._settle_reported()
+        if known > self.step and self.ctx.control is not None:
+            # the checkpoint is older than the last reported step (checkpoint_every > 1,
+            # or 0): those updates are lost, but step numbers and versions go on from the
+            # controller's, so no step is reported twice and staleness stays consistent
+            self.log.warning(
+                "resumed_behind",
+                checkpoint_step=self.step,
+                reported_steps=known,
+                lost_updates=known - self.step,
+                hint="set learner.checkpoint_every = 1 to lose none",
+            )
+            self.version = self.step = known
+            self._serve_as(known)
+
+    async def _build(self) -> None:
+        """Every rank builds the trainer (rank 0 decides where to resume); rank 0 links the
+        weight publisher to the engines."""
+        from pipeline.training import latest_step
+        from pipeline.weight_link import LearnerWeights, make_hub
+
+        # engines register with rank 0's hub; not when replaying
+        hub = make_hub(self.ctx) if self.ctx.control is not None else None
+        self.worker = LearnerWorker(self.ctx, hub=hub)
+        resume = latest_step(self.worker.checkpoints)
+        step = -1 if resume is None else resume
+        command = RankCommand(op=RankOp.SETUP, step=step)
+        loaded = await self.thread.run(self.worker.build, step, command=command)
+        # the weights are this version: the checkpoint's, or the initial weights' 0
+        self.version = self.step = self.worker.trainer.step
+        if loaded is not None:
+            if "trained_step" in loaded.extra:
+                self.last_step = TrainedStep.from_json(loaded.extra["trained_step"])
+            # the weights are this version, whatever the controller last heard
+            self.ctx.policy_version = self.step
+            self.log.info("resumed", step=self.step)
+        if hub is not None:
+            self.weights = LearnerWeights(self.ctx, hub, self.worker.publisher, self.thread)
+
+    def _serve_as(self, version: int) -> None:
+        """Serve the current weights as `version` (a resume behind the reported steps)."""
+        self.ctx.policy_version = version
+        if self.ctx.control is not None:
+            self.ctx.control.policy_version = version
+        if self.weights is not None:
+            self.weights.version = version  # what a (re)registering engine is sent
 
     @property
     def _reported_path(self) -> Path:
@@ -209,13 +245,14 @@ class LearnerService(Service):
             start = time.perf_counter()
             metrics = batch_stats(groups)
             wall = time.time()
-            if self.trainer is not None:
-                metrics.update(await self.trainer.train(groups, self.step))
+            if self.worker is not None:
+                metrics.update(await self._train(groups, self.step))
             self.span("train", wall, time.time(), step=self.step)
             metrics["step_seconds"] = time.perf_counter() - start
             metrics["tokens_per_s"] = metrics["tokens"] / max(metrics["step_seconds"], 1e-9)
             metrics["staleness_max"] = float(max(lag, default=0))
             metrics["staleness_mean"] = float(np.mean(lag)) if lag else 0.0
+            metrics["dropped_stale"] = float(sum(len(g.samples) for _, g in stale))
             done = StepDone(
                 step=self.step,
                 policy_version=self.version + 1,
@@ -223,16 +260,16 @@ class LearnerService(Service):
                 dropped_uids=[s.uid for _, g in stale for s in g.samples],
                 metrics=dict(metrics),
             )
-            if self.trainer is not None:
+            if self.worker is not None:
                 wall = time.time()
-                await self.trainer.checkpoint(TrainedStep(done, [d.uid for d, _ in fresh]))
+                await self._checkpoint(TrainedStep(done, [d.uid for d, _ in fresh]))
                 self.span("checkpoint", wall, time.time(), step=self.step)
             await self._hold("checkpointed", self.step)
             self.step += 1
             self.version += 1
-            if self.trainer is not None:
+            if self.weights is not None:
                 wall = time.time()
-                metrics.update(await self.trainer.publish(self.version))
+                metrics.update(await self.weights.sync(self.version))
                 self.span("weight_sync", wall, time.time(), version=self.version)
             self.ctx.control.policy_version = self.version
             self._note_reported(done.step, [d.uid for d, _ in fresh])
@@ -241,6 +278,28 @@ class LearnerService(Service):
             await self._hold("reported", self.step - 1)
             for delivery, _ in fresh:
                 delivery.ack()
+
+    async def _train(self, groups: list[GroupArrays], step: int) -> dict[str, float]:
+        """One PPO step on every rank; the step's metrics."""
+        assert self.worker is not None
+        command = RankCommand(op=RankOp.TRAIN, step=step, groups=encode_groups(groups))
+        batch = self.worker.rank_batch(groups)
+        pending = await self.thread.run(self.worker.trainer.submit_step, batch, command=command)
+        metrics = await self.thread.run(pending.result)
+        return {**group_stats(groups), **{k: float(v) for k, v in metrics.items()}}
+
+    async def _checkpoint(self, trained: TrainedStep) -> None:
+        """Note the step just trained; every `checkpoint_every` steps save with it. Called
+        before the step is reported or its groups acknowledged."""
+        self.last_step = trained
+        every = self.config.learner.checkpoint_every
+        if every and trained.done.step % every == every - 1:
+            await self._save(RankOp.CHECKPOINT, self.worker.save)  # type: ignore[union-attr]
+
+    async def _save(self, op: RankOp, save: Any) -> None:
+        extra = {} if self.last_step is None else {"trained_step": self.last_step.to_json()}
+        command = RankCommand(op=op, text=json.dumps(extra))
+        await self.thread.run(save, extra, command=command)
 
     async def _hold(self, point: str, step: int) -> None:
         """The test hook (module docstring): park here until killed."""
@@ -266,21 +325,26 @@ class LearnerService(Service):
         for step in sorted(steps):
             groups = [read_group(by_uid[uid]) for uid in steps[step]]
             metrics = batch_stats(groups)
-            if self.trainer is not None:
-                metrics.update(await self.trainer.train(groups, step))
+            if self.worker is not None:
+                metrics.update(await self._train(groups, step))
                 trained = [s.uid for g in groups for s in g.samples]
                 done = StepDone(
                     step=step, policy_version=step + 1, trained_uids=trained, metrics=metrics
                 )
-                await self.trainer.checkpoint(TrainedStep(done, steps[step]))
+                await self._checkpoint(TrainedStep(done, steps[step]))
             await self.report(step, metrics)
         return []
 
     async def teardown(self) -> None:
         if self._watch is not None:
             await cancel_and_wait([self._watch])
-        if self.trainer is not None:
-            await self.trainer.close()
+        if self.weights is not None:
+            await self.weights.close()
+        if self.worker is not None and self.worker.trainer is not None:
+            await self._save(RankOp.CLOSE, self.worker.close)
+            if self.worker.trainer.step > 0:
+                self.log.info("saved", step=self.worker.trainer.step)
+        self.thread.close()
 
 
 def main(argv: list[str] | None = None) -> int:

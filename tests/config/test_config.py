@@ -83,16 +83,16 @@ def test_resolved_config_is_written_to_the_run_dir(tmp_path):
 
 
 def test_learner_takes_the_samplers_temperature():
-    from pipeline.learner_worker import trainer_config
+    from pipeline.trainer_setup import policy_config
 
     config = load_config(
         REPO / "profiles/local-cpu.toml", parse_override_args(["--rollout.temperature", "0.7"])
     )
-    assert trainer_config(config).temperature == 0.7
+    assert policy_config(config).temperature == 0.7
     greedy = load_config(
         REPO / "profiles/local-cpu.toml", parse_override_args(["--rollout.temperature", "0"])
     )
-    assert trainer_config(greedy).temperature == 1.0
+    assert policy_config(greedy).temperature == 1.0
 
 
 def test_devices_follow_the_pools_and_decide_the_weight_transport():

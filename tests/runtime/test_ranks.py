@@ -312,9 +312,12 @@ def _critic_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         groups = _groups(seed=1)
 
         async def annotate_all() -> None:
-            await worker.setup()
+            thread = ranks.TrainerThread("critic", link)
+            await thread.run(worker.build, -1, command=RankCommand(op=RankOp.SETUP, step=-1))
             for group in groups:  # the third comes after a value update on the first two
-                await worker.annotate(group)
+                command = RankCommand(op=RankOp.ANNOTATE, groups=ranks.encode_groups([group]))
+                await thread.run(worker.annotate, group, command=command)
+            thread.close()
 
         asyncio.run(annotate_all())
         np.savez(Path(out_dir, "sharded.npz"), **_annotations(groups))
@@ -336,10 +339,10 @@ def test_a_sharded_critic_annotates_like_one_process(tmp_path):
     single = CriticWorker(
         SimpleNamespace(config=_critic_config(model_dir), run_dir=tmp_path, ranks=None)
     )
-    single._build()
+    single.build(-1)
     expected_groups = _groups(seed=1)
     for group in expected_groups:
-        single._annotate(group)
+        single.annotate(group)
     expected = _annotations(expected_groups)
 
     mp.spawn(_critic_worker, args=(free_port(), model_dir, str(tmp_path)), nprocs=WORLD, join=True)
@@ -361,7 +364,7 @@ async def test_trainer_calls_all_run_on_one_thread_off_the_loop():
     for _ in range(6):
         # other work on the loop's default pool keeps several of its threads busy and idle
         others = [asyncio.to_thread(threading.get_ident) for _ in range(4)]
-        seen.append(await ranks.run_collective(None, threading.get_ident, lambda: None, thread))
+        seen.append(await thread.run(threading.get_ident))
         await asyncio.gather(*others)
     thread.close()
     assert len(set(seen)) == 1 and seen[0] != loop_thread

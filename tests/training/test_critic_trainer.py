@@ -9,7 +9,7 @@ import torch
 
 from pipeline.algorithms import AlgorithmConfig, make_kl_controller
 from pipeline.models import ValueModel
-from pipeline.training import BatchError, CriticTrainer, TrainerConfig
+from pipeline.training import CriticTrainer, TrainerConfig
 
 from ._helpers import TINY, make_batch
 
@@ -86,18 +86,27 @@ def test_whitened_advantages_have_zero_mean_unit_variance_over_valid_tokens():
     assert not out.advantages[~out.response_mask].any()
 
 
-def test_vtrace_needs_learner_logprobs_and_equals_gae_when_on_policy():
+def test_vtrace_equals_gae_when_on_policy_and_without_target_logprobs_gives_lambda_returns():
+    """With the target's log-probs V-trace weighs the tokens (on policy: GAE's returns);
+    without them (the pipeline's critic) the returns are GAE's lambda-returns, the token
+    rewards are on the batch for the learner's V-trace, and off-policy targets differ."""
     vtrace = _critic(
         AlgorithmConfig(advantage_estimator="vtrace", lam=1.0, whiten_advantages=False)
     )
     gae = _critic(AlgorithmConfig(advantage_estimator="gae", lam=1.0, whiten_advantages=False))
     batch = make_batch(seed=6, advantages=False)
-    with pytest.raises(BatchError, match="learner_logprobs"):
-        vtrace.compute_advantages(batch)
+    g_plain, _ = gae.compute_advantages(batch)
+    v_plain, _ = vtrace.compute_advantages(batch)
+    torch.testing.assert_close(v_plain.returns, g_plain.returns)
+    assert v_plain.rewards is not None
+    torch.testing.assert_close(v_plain.rewards.sum(dim=1), batch.scores)
     on_policy = batch.replace(learner_logprobs=batch.behaviour_logprobs.clone())
     v_out, _ = vtrace.compute_advantages(on_policy)
     g_out, _ = gae.compute_advantages(on_policy)
     torch.testing.assert_close(v_out.returns, g_out.returns, atol=1e-5, rtol=1e-5)
+    off = batch.replace(learner_logprobs=batch.behaviour_logprobs - 0.5)
+    v_off, _ = vtrace.compute_advantages(off)
+    assert (v_off.returns - g_out.returns)[batch.response_mask].abs().max() > 1e-3
 
 
 def test_critic_train_steps_reduce_value_error_on_fixed_returns():

@@ -293,7 +293,7 @@ def test_tied_gradient_rows_train_identically(model_dir: Path, precision: dict):
         config = CONFIG.replace(tied_grad_rows=rows, keep_reference=True, **precision)
         trainer = PolicyTrainer(model_dir, config, AlgorithmConfig(use_kl_loss=True))
         assert trainer.model.tied_grad_rows == rows
-        assert trainer.reference is not None and not trainer.reference.tied_grad_rows
+        assert trainer.reference is not None and not trainer.reference.model.tied_grad_rows
         for seed in (3, 4):
             trainer.train_step(make_batch(seed=seed))
         states.append(state_of(trainer.model))

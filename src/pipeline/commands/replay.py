@@ -26,6 +26,7 @@ SERVICE_CLASSES = {
     "reward": "services.reward:RewardService",
     "critic": "services.critic:CriticService",
     "learner": "services.learner:LearnerService",
+    "reference": "services.reference:ReferenceService",
 }
 
 

@@ -11,7 +11,9 @@ from pipeline.training.config import TrainerConfig
 from pipeline.transport.channel import ChannelConfig
 
 ROLES = ("controller", "rollout", "reward", "critic", "learner", "reference")
-QUEUES = ("prompts", "rollouts", "scored", "experience")
+# in the order of the chain; "referenced" (the reference service's output) is last so that
+# the other queues keep their tcp ports
+QUEUES = ("prompts", "rollouts", "scored", "experience", "referenced")
 # roles that train with FSDP: fsdp_size > 1 is one torchrun of fsdp_size ranks
 TRAINER_ROLES = ("learner", "critic")
 
@@ -76,6 +78,21 @@ class PlacementConfig:
             raise ConfigError("services.*.replicas must be >= 0")
         if self.tp < 1 or self.fsdp_size < 1:
             raise ConfigError("services.*.tp and fsdp_size must be >= 1")
+
+    def check_role(self, role: str) -> None:
+        """What this role's service can honour: only trainers shard, and no engine splits a
+        model across devices yet."""
+        if self.fsdp_size > 1 and role not in TRAINER_ROLES:
+            raise ConfigError(
+                f"services.{role}.fsdp_size = {self.fsdp_size}: only {list(TRAINER_ROLES)} "
+                f"shard with FSDP; set it to 1 and raise services.{role}.replicas instead"
+            )
+        if self.tp > 1:
+            raise ConfigError(
+                f"services.{role}.tp = {self.tp}: the built-in engine has no tensor "
+                "parallelism yet, and the vLLM backend is not given it; use tp = 1 (one "
+                "device per engine replica) and more replicas"
+            )
 
 
 @dataclass(frozen=True)
@@ -153,17 +170,48 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class WeightSyncSection:
+    # every learner rank gathers and broadcasts only its stripe of the buckets (fsdp_size
+    # > 1 over NCCL or gloo; not with CUDA IPC) instead of rank 0 sending them all
+    striped: bool = False
+    # bytes of one broadcast bucket
+    bucket_mb: int = 1024
+
+    def validate(self) -> None:
+        if self.bucket_mb < 1:
+            raise ConfigError("learner.weights.bucket_mb must be >= 1")
+
+
+@dataclass(frozen=True)
 class LearnerConfig:
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1e-5))
     # save a checkpoint every this many steps (0: only at the end of the run)
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    weights: WeightSyncSection = field(default_factory=WeightSyncSection)
 
 
 @dataclass(frozen=True)
 class CriticConfig:
     enabled: bool = True
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1e-4))
+    # save the value model, optimizer, schedule and KL controller every this many value
+    # updates (0: only at the end of the run); a restarted critic resumes from the latest
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+
+
+# where the frozen reference policy's log-probs are computed, when KL needs them
+ReferenceHost = Literal["auto", "learner", "critic", "service"]
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    # "service": its own role between reward and critic ([services.reference], its own
+    # pool); "critic" / "learner": inside that process (one GPU, CPU runs); "auto": the
+    # service when [services.reference] is placed, else the critic when the reward's KL
+    # penalty needs it upstream of the learner, else the learner
+    host: ReferenceHost = "auto"
 
 
 @dataclass(frozen=True)
@@ -201,6 +249,7 @@ class PipelineConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
@@ -240,6 +289,80 @@ class PipelineConfig:
             )
         if self.algorithm.advantage_estimator in ("grpo", "rloo") and self.rollout.n_samples < 2:
             raise ConfigError("group baselines need rollout.n_samples >= 2")
+        for role, placement in self.services.items():
+            placement.check_role(role)
+        self._validate_reference()
+        self._validate_trainers()
+
+    def reference_host(self) -> str | None:
+        """Where the reference log-probs are computed ("learner", "critic" or "service"),
+        or None when no KL term needs them."""
+        alg = self.algorithm
+        if not (alg.use_kl_loss or alg.kl_penalty_in_reward):
+            return None
+        host = self.reference.host
+        if host != "auto":
+            return host
+        if self.replicas("reference") > 0:
+            return "service"
+        if alg.kl_penalty_in_reward and self.critic.enabled:
+            return "critic"
+        return "learner"
+
+    def _validate_reference(self) -> None:
+        host = self.reference_host()
+        placed = self.replicas("reference") > 0
+        if host is None:
+            if placed:
+                raise ConfigError(
+                    "[services.reference] is placed but no KL term needs it; set "
+                    "algorithm.use_kl_loss or algorithm.kl_penalty_in_reward, or remove it"
+                )
+            return
+        if host == "service" and not placed:
+            raise ConfigError(
+                "reference.host = 'service' needs a [services.reference] placement (pool, "
+                "replicas); or set reference.host = 'auto'"
+            )
+        if host != "service" and placed:
+            raise ConfigError(
+                f"[services.reference] is placed but reference.host = {host!r}; remove the "
+                "placement or set reference.host = 'service'"
+            )
+        if host == "critic" and not self.critic.enabled:
+            raise ConfigError(
+                "reference.host = 'critic' needs critic.enabled = true; use 'learner' or 'service'"
+            )
+        if host == "learner" and self.algorithm.kl_penalty_in_reward and self.critic.enabled:
+            raise ConfigError(
+                "algorithm.kl_penalty_in_reward shapes the critic's rewards, before the "
+                "learner: set reference.host to 'critic', 'service' or 'auto'"
+            )
+
+    def _validate_trainers(self) -> None:
+        self.learner.weights.validate()
+        if self.learner.weights.striped and self.shares_device("rollout", "learner"):
+            raise ConfigError(
+                "learner.weights.striped needs a collective transport (NCCL or gloo); "
+                "learner and engines share a GPU here (CUDA IPC): set it to false"
+            )
+        for section in ("learner", "critic"):
+            for key in ("checkpoint_every", "keep_checkpoints"):
+                value = getattr(getattr(self, section), key)
+                low = 0 if key == "checkpoint_every" else 1
+                if value < low:
+                    raise ConfigError(f"{section}.{key} must be >= {low} (got {value})")
+        if self.critic.enabled:
+            self.critic.trainer.check_value_model("critic.trainer")
+        # the pipeline sets these from other sections; a value here would be ignored
+        derived = {
+            "temperature": "set rollout.temperature (the learner takes the sampler's)",
+            "keep_reference": "set reference.host (where the reference runs)",
+        }
+        default = TrainerConfig()
+        for key, fix in derived.items():
+            if getattr(self.learner.trainer, key) != getattr(default, key):
+                raise ConfigError(f"learner.trainer.{key} is derived in a run: remove it and {fix}")
 
     def _validate_security(self) -> None:
         if self.run.transport != "tcp" or self.run.keys_dir or self.run.allow_insecure:

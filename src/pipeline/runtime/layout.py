@@ -19,6 +19,7 @@ PRODUCER_OF = {
     "rollouts": "rollout",
     "scored": "reward",
     "experience": "critic",
+    "referenced": "reference",
 }
 
 
@@ -57,14 +58,18 @@ def bind_endpoint(config: PipelineConfig, queue: str, replica: int) -> str:
 
 
 def input_queue(config: PipelineConfig, role: str) -> str | None:
+    """The chain: controller -> rollout -> reward -> [reference] -> [critic] -> learner."""
+    scored = "referenced" if config.replicas("reference") > 0 else "scored"
     if role == "rollout":
         return "prompts"
     if role == "reward":
         return "rollouts"
-    if role == "critic":
+    if role == "reference":
         return "scored"
+    if role == "critic":
+        return scored
     if role == "learner":
-        return "experience" if config.critic.enabled else "scored"
+        return "experience" if config.critic.enabled else scored
     return None
 
 

@@ -183,6 +183,18 @@ class RankLink:
         Blocking, one command at a time. An exception other than the `agreed` ones (those
         every rank raises alike, e.g. WeightSyncError) may have left the other ranks in a
         collective: no command is sent after it."""
+        self.send(command)
+        try:
+            return run()
+        except agreed:
+            raise
+        except BaseException:
+            self.broken = True
+            raise
+
+    def send(self, command: RankCommand) -> None:
+        """Rank 0: send `command` to the other ranks (blocking); refused once the group is
+        broken or stopped. The caller runs this rank's part next, in the same order."""
         with self._lock:
             if self.broken or self.stopped:
                 state = "stopped" if self.stopped else "broken by a failed collective"
@@ -191,13 +203,6 @@ class RankLink:
                     "service (torchrun starts every rank again)"
                 )
             self._send(command)
-            try:
-                return run()
-            except agreed:
-                raise
-            except BaseException:
-                self.broken = True
-                raise
 
     def stop(self) -> None:
         """Rank 0, at the end: let the other ranks go. Idempotent; nothing is sent after a
@@ -245,37 +250,48 @@ class RankLink:
 
 
 class TrainerThread:
-    """The one thread that runs every call of a worker's trainer, off the event loop.
+    """The one thread that runs every call of a trainer, off the event loop; on rank 0 of
+    a sharded service it sends the other ranks each call's command first.
 
     A pool thread per call would do for the arithmetic, but CUDA graph trees
     (`trainer.compile_mode = "reduce-overhead"`) belong to the thread that recorded them: a
     trainer hopping between pool threads would record its graphs again, in a new memory pool,
     on each thread it lands on."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, ranks: RankLink | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.ranks = ranks if ranks is not None and ranks.is_leader else None
+        self._one = asyncio.Lock()
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """`fn()` on the thread, in a copy of the caller's context (log bindings such as the
-        rank travel with it, as with asyncio.to_thread)."""
+    async def run(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        command: RankCommand | None = None,
+        agreed: tuple[type[BaseException], ...] = (),
+    ) -> T:
+        """`fn(*args)` on the thread, in a copy of the caller's context (log bindings such
+        as the rank travel with it, as with asyncio.to_thread). Sharded, `command` (what
+        makes the other ranks run the same) is sent first; one call at a time, so calls
+        from several tasks cannot interleave a command with another call's part. An
+        exception other than the `agreed` ones (which every rank raises alike) may have left
+        the other ranks in a collective: the group then takes no more commands."""
+        loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, context.run, fn)
+        async with self._one:
+            if self.ranks is not None and command is not None:
+                await loop.run_in_executor(self._pool, self.ranks.send, command)
+            try:
+                return await loop.run_in_executor(self._pool, context.run, fn, *args)
+            except agreed:
+                raise
+            except BaseException:
+                if self.ranks is not None:
+                    self.ranks.broken = True
+                raise
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-
-
-async def run_collective(
-    ranks: RankLink | None,
-    run: Callable[[], T],
-    command: Callable[[], RankCommand],
-    thread: TrainerThread,
-) -> T:
-    """Run a trainer's collective part on its thread; sharded, rank 0 first sends the other
-    ranks the command (built lazily) that makes them run the same."""
-    if ranks is None:
-        return await thread.run(run)
-    return await thread.run(lambda: ranks.lead(command(), run))
 
 
 def encode_groups(groups: list[GroupArrays]) -> list[list[bytes]]:

@@ -23,7 +23,14 @@ from torch import Tensor
 from pipeline.training.errors import BatchError
 
 # per-token (n, R) fields that may be absent
-OPTIONAL_TOKEN_FIELDS = ("ref_logprobs", "learner_logprobs", "values", "advantages", "returns")
+OPTIONAL_TOKEN_FIELDS = (
+    "ref_logprobs",
+    "learner_logprobs",
+    "values",
+    "advantages",
+    "returns",
+    "rewards",
+)
 _TOKEN_FIELDS = ("response_mask", "behaviour_logprobs", "token_versions", *OPTIONAL_TOKEN_FIELDS)
 
 
@@ -60,6 +67,8 @@ class ExperienceBatch:
     values: Tensor | None = None  # (n, R) float32, critic values before each response token
     advantages: Tensor | None = None  # (n, R) float32
     returns: Tensor | None = None  # (n, R) float32
+    # (n, R) float32 per-token rewards (the score on the last token, minus the KL penalty)
+    rewards: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -106,7 +115,7 @@ class ExperienceBatch:
         """Build from per-sample 1-D arrays (numpy, lists or tensors) of varying length.
 
         Per-token arrays (behaviour_logprobs, token_versions, response_mask and the optional
-        ref_logprobs/learner_logprobs/values/advantages/returns) have one entry per response
+        ref_logprobs/learner_logprobs/values/advantages/returns/rewards) have one entry per
         token. group_ids default to a hash of the uid before its last '/' (`<prompt uid>/<i>`),
         equal on every rank.
         """

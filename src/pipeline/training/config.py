@@ -26,6 +26,17 @@ _DTYPES: dict[str, str] = {
 _SECTION = "trainer"
 
 
+# read by the policy's log-probs and loss only (PolicyTrainer), never by a value model
+POLICY_ONLY = (
+    "fuse_proximal",
+    "logprob_chunk_tokens",
+    "logprob_keep_logits",
+    "temperature",
+    "compile_loss",
+    "keep_reference",
+)
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """How to train: optimiser, LR schedule, PPO epochs, batching, precision, placement."""
@@ -196,6 +207,18 @@ class TrainerConfig:
             self._validate_trunk_graphs()
         if self.peak_flops < 0:
             raise ConfigError(f"set {_SECTION}.peak_flops >= 0 (0 disables MFU)")
+
+    def check_value_model(self, section: str) -> None:
+        """Refuse the keys that only the policy's loss and log-probs read, set on a value
+        model's trainer (the critic), where nothing would read them."""
+        default = TrainerConfig()
+        set_here = [k for k in POLICY_ONLY if getattr(self, k) != getattr(default, k)]
+        if set_here:
+            keys = ", ".join(f"{section}.{k}" for k in set_here)
+            raise ConfigError(
+                f"{keys} configure the policy's log-probs and loss; the value model has "
+                "none: remove them (set them on learner.trainer)"
+            )
 
     def _validate_trunk_graphs(self) -> None:
         if self.compile and self.compile_mode != "default":

@@ -102,11 +102,15 @@ class CriticTrainer:
     def compute_advantages(
         self, batch: ExperienceBatch, kl_ctrl: KLController | None = None
     ) -> tuple[ExperienceBatch, dict[str, float]]:
-        """Fill values, advantages and returns; update `kl_ctrl` with the batch's KL.
+        """Fill values, token rewards, advantages and returns; update `kl_ctrl` with the
+        batch's KL.
 
         Rewards: the score on the last response token, minus kl_ctrl.value * KL(policy ||
-        ref) per token when algorithm.kl_penalty_in_reward. Then GAE, or V-trace with the
-        sampler's (behaviour) vs the learner's log-probs; whitening uses every rank's tokens.
+        ref) per token when algorithm.kl_penalty_in_reward. Then GAE; or V-trace when the
+        batch has the target policy's `learner_logprobs`. Without them (the pipeline's
+        critic: only the learner has the current policy) V-trace's returns are GAE's
+        lambda-returns, the value model's target, and the learner computes the V-trace
+        advantages from `values` and `rewards`. Whitening uses every rank's tokens.
         Existing `batch.values` are used as they are (no recompute).
         """
         alg = self.algorithm
@@ -114,14 +118,7 @@ class CriticTrainer:
         values = batch.values if batch.values is not None else self.compute_values(batch)
         coef = kl_ctrl.value if kl_ctrl is not None else alg.init_kl_coef
         rewards, kl = token_rewards(batch, alg, coef)  # (n, R)
-        if alg.advantage_estimator == "gae":
-            adv, returns = compute_gae(rewards, values, mask, gamma=alg.gamma, lam=alg.lam)
-        elif alg.advantage_estimator == "vtrace":
-            if batch.learner_logprobs is None:
-                raise BatchError(
-                    "V-trace needs learner_logprobs on the batch (PolicyTrainer."
-                    "compute_logprobs) to weigh the sampler's tokens"
-                )
+        if alg.advantage_estimator == "vtrace" and batch.learner_logprobs is not None:
             adv, returns = compute_vtrace(
                 rewards,
                 values,
@@ -133,6 +130,8 @@ class CriticTrainer:
                 rho_bar=alg.vtrace_rho_bar,
                 c_bar=alg.vtrace_c_bar,
             )
+        elif alg.advantage_estimator in ("gae", "vtrace"):
+            adv, returns = compute_gae(rewards, values, mask, gamma=alg.gamma, lam=alg.lam)
         else:
             raise ConfigError(
                 f"advantage_estimator={alg.advantage_estimator!r} needs no critic; compute "
@@ -171,10 +170,17 @@ class CriticTrainer:
             seq_kl = g["kl_seq_sum"] / max(g["kl_seqs"], 1.0)
             metrics["kl/reward_kl"] = g["kl_tokens"] / tokens
             metrics["kl/reward_seq_kl"] = seq_kl
+            # what the penalty took off the rewards, per token
+            metrics["kl/reward_penalty"] = coef * g["kl_tokens"] / tokens
             if kl_ctrl is not None:
                 kl_ctrl.update(seq_kl, int(g["samples"]))
                 metrics["kl/coef_next"] = kl_ctrl.value
-        out = batch.replace(values=values.float(), advantages=adv.float(), returns=returns.float())
+        out = batch.replace(
+            values=values.float(),
+            advantages=adv.float(),
+            returns=returns.float(),
+            rewards=rewards.float(),
+        )
         return out, metrics
 
     def train_step(self, batch: ExperienceBatch) -> dict[str, float]:

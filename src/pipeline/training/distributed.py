@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -164,3 +165,26 @@ def _uses_nccl() -> bool:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def sharded_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(elements of the whole model, elements held on this rank): what FSDP split."""
+    total = local = 0
+    for p in model.parameters():
+        total += p.numel()
+        local += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    return total, local
+
+
+def log_sharding(log: Any, trainer: Any) -> None:
+    """Log what FSDP split when a trainer spans several ranks (`model_sharded`)."""
+    info = trainer.info
+    if info.world_size > 1:
+        total, local = sharded_params(trainer.model)
+        log.info(
+            "model_sharded",
+            rank=info.rank,
+            world_size=info.world_size,
+            params=total,
+            local_params=local,
+        )

@@ -8,12 +8,16 @@ predict response tokens into the (m, r) layout of the batch's per-token fields.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from pipeline.models import CausalLM, ValueModel
-from pipeline.training.micro_batching import MicroBatch
+from pipeline.training.batch import ExperienceBatch
+from pipeline.training.config import TrainerConfig
+from pipeline.training.distributed import all_reduce_ints
+from pipeline.training.micro_batching import MicroBatch, plan_forward
 
 _VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 
@@ -81,3 +85,37 @@ def micro_values(model: ValueModel, mb: MicroBatch) -> tuple[Tensor, Tensor]:
 def masked_fill_zero(t: Tensor, mask: Tensor) -> Tensor:
     """Zero where mask is False (no NaN survives from padding)."""
     return torch.where(mask.bool(), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def response_logprobs(
+    model: CausalLM,
+    batch: ExperienceBatch,
+    config: TrainerConfig,
+    device: torch.device,
+    before_each: Callable[[], None] | None = None,
+) -> Tensor:
+    """No-grad log-probs of every response token, (n, R) float32 on the host, 0 where
+    masked: the proximal (current policy) and reference forwards. `before_each` runs
+    before each micro-batch (a CUDA-graph step mark)."""
+    out = torch.zeros(batch.num_samples, batch.max_response_len)  # (n, R)
+    plan = plan_forward(
+        batch,
+        config.infer_tokens,
+        padding_free=config.padding_free,
+        reduce=all_reduce_ints,
+        bucket=config.pack_bucket_tokens,
+    )
+    for mb in plan:
+        if before_each is not None:
+            before_each()
+        logp, _, _ = micro_logprobs(
+            model,
+            mb.to(device),
+            chunk_tokens=config.logprob_chunk_tokens,
+            temperature=config.temperature,
+        )
+        if mb.is_empty:
+            continue
+        mask = mb.fields(batch.response_mask)
+        mb.put(out, torch.where(mask, logp.float().cpu(), 0.0))
+    return out

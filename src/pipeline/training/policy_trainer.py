@@ -4,7 +4,9 @@ One `train_step(batch)`:
   1. proximal log-probs are recomputed with the current weights (no grad): the PPO ratio is
      taken against them, while truncated importance weights behaviour -> proximal correct
      for the sampler's staleness and numerics (decoupled PPO, Hilton et al. 2022);
-  2. advantages come with the batch (from the critic) or, for grpo/rloo, from scores;
+  2. advantages: for grpo/rloo from the scores; for gae from the critic; for vtrace from
+     the critic's values and token rewards with the proximal log-probs as the target
+     policy (only the learner has them); gae/vtrace whitened over the step's tokens;
   3. PPO epochs x mini-batches x token-budget micro-batches: clipped surrogate, optional KL
      loss to the frozen reference, optional entropy bonus, each micro-batch weighted so
      the accumulated gradient is that of the whole global mini-batch;
@@ -14,27 +16,32 @@ One `train_step(batch)`:
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from pipeline.algorithms import AlgorithmConfig, truncated_is_weights
+from pipeline.algorithms import (
+    AlgorithmConfig,
+    compute_vtrace,
+    masked_sum,
+    truncated_is_weights,
+)
 from pipeline.errors import ConfigError
 from pipeline.models import CausalLM, load_model
-from pipeline.training.advantages import group_advantages
+from pipeline.training.advantages import global_whiten, group_advantages
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint
 from pipeline.training.config import TrainerConfig
-from pipeline.training.distributed import DistInfo, all_reduce_ints, current_dist_info
-from pipeline.training.engine import StagedStep, TrainEngine, perf_metrics, place_model
+from pipeline.training.distributed import DistInfo, current_dist_info
+from pipeline.training.engine import StagedStep, TrainEngine, perf_metrics
 from pipeline.training.errors import BatchError
-from pipeline.training.forward import micro_logprobs
+from pipeline.training.forward import micro_logprobs, response_logprobs
 from pipeline.training.loss_terms import (
     KL_KEYS,
     loss_function,
@@ -43,14 +50,21 @@ from pipeline.training.loss_terms import (
     token_sums,
 )
 from pipeline.training.metrics import Metrics, MetricSums, MetricVector
-from pipeline.training.micro_batching import MicroBatch, plan_forward
+from pipeline.training.micro_batching import MicroBatch
+from pipeline.training.reference import ReferencePolicy
 
 _BATCH_KEYS = (
     "batch/samples",
     "batch/response_tokens",
     "batch/score_sum",
+    "batch/adv_sum",
+    "batch/adv_sq_sum",
     "perf/tokens",
 )
+# V-trace: tokens whose ratio pi/mu exceeds rho_bar by more than this (in log space), so that
+# numerics alone (engine and learner kernels, ~1e-6) do not count as truncation
+_VTRACE_TRUNCATION_TOL = 1e-3
+_VTRACE_KEYS = ("vtrace/truncated_tokens", "vtrace/adv_change_sum")
 
 
 def _load_causal_lm(model: str | os.PathLike[str] | CausalLM) -> CausalLM:
@@ -106,8 +120,8 @@ class PolicyTrainer:
         self.engine = TrainEngine(policy, self.config, self.info, name="policy")
         self._last_done = 0.0  # perf_counter when the last step's metrics were read
         self._loss_terms = loss_function(self.algorithm, self.config.compile_loss)
-        self.reference: CausalLM | None = (
-            place_model(reference, self.config, self.info, trainable=False)  # type: ignore[assignment]
+        self.reference = (
+            ReferencePolicy(reference, self.config, dist=self.info)
             if reference is not None
             else None
         )
@@ -133,7 +147,10 @@ class PolicyTrainer:
     @torch.no_grad()
     def compute_logprobs(self, batch: ExperienceBatch) -> Tensor:
         """Learner log-probs of the response tokens with the current weights, (n, R) float32."""
-        return self._logprobs(self.model, batch)
+        with self.engine.compute_weights():
+            return response_logprobs(
+                self.model, batch, self.config, self.info.device, self.engine.begin_forward
+            )
 
     @torch.no_grad()
     def ref_logprobs(self, batch: ExperienceBatch) -> Tensor:
@@ -143,34 +160,7 @@ class PolicyTrainer:
                 "this PolicyTrainer keeps no reference model; set trainer.keep_reference=true "
                 "(or enable algorithm.use_kl_loss / kl_penalty_in_reward)"
             )
-        return self._logprobs(self.reference, batch)
-
-    def _logprobs(self, model: CausalLM, batch: ExperienceBatch) -> Tensor:
-        cfg = self.config
-        out = torch.zeros(batch.num_samples, batch.max_response_len)  # (n, R)
-        plan = plan_forward(
-            batch,
-            cfg.infer_tokens,
-            padding_free=cfg.padding_free,
-            reduce=all_reduce_ints,
-            bucket=cfg.pack_bucket_tokens,
-        )
-        # the frozen reference is stored in the compute dtype already
-        precision = self.engine.compute_weights() if model is self.model else nullcontext()
-        with precision:
-            for mb in plan:
-                self.engine.begin_forward()
-                logp, _, _ = micro_logprobs(
-                    model,
-                    mb.to(self.info.device),
-                    chunk_tokens=cfg.logprob_chunk_tokens,
-                    temperature=cfg.temperature,
-                )
-                if mb.is_empty:
-                    continue
-                mask = mb.fields(batch.response_mask)
-                mb.put(out, torch.where(mask, logp.float().cpu(), 0.0))
-        return out
+        return self.reference.logprobs(batch)
 
     # -- training -----------------------------------------------------------------------
 
@@ -187,7 +177,13 @@ class PolicyTrainer:
         the update; whatever reads the schedule or the counters settles the step first."""
         start = time.perf_counter()
         alg = self.algorithm
-        if batch.advantages is None:
+        vtrace = alg.advantage_estimator == "vtrace"
+        if vtrace and (batch.values is None or batch.rewards is None):
+            raise BatchError(
+                "advantage_estimator='vtrace' needs the critic's values and token rewards on "
+                "the batch (CriticTrainer.compute_advantages fills both)"
+            )
+        if batch.advantages is None and not vtrace:
             if alg.advantage_estimator not in ("grpo", "rloo"):
                 raise BatchError(
                     f"advantage_estimator={alg.advantage_estimator!r} takes advantages from "
@@ -196,7 +192,8 @@ class PolicyTrainer:
             batch = group_advantages(batch, alg)
         mask = batch.response_mask
         cfg = self.config
-        fused = cfg.fuse_proximal and cfg.ppo_epochs == 1 and cfg.mini_batches == 1
+        # V-trace's target log-probs must exist before the first update
+        fused = cfg.fuse_proximal and cfg.ppo_epochs == 1 and cfg.mini_batches == 1 and not vtrace
         ref = batch.ref_logprobs
         if ref is None and self.reference is not None:
             ref = self.ref_logprobs(batch)
@@ -207,13 +204,19 @@ class PolicyTrainer:
             )
         kl_keys = list(KL_KEYS) if ref is not None else []
         sums = MetricSums(
-            [*micro_keys(alg), *_BATCH_KEYS, *token_keys(ref is not None)],
+            [*micro_keys(alg), *_BATCH_KEYS, *token_keys(ref is not None), *_VTRACE_KEYS],
             ["mismatch/max_abs_diff"],
             self.info.device,
         )
         prox = is_w = None  # fused: each micro-batch takes them from its own forward
         if not fused:
             prox = self.compute_logprobs(batch)  # (n, R)
+            if vtrace:
+                batch = self._vtrace_advantages(batch, prox, sums)
+        if alg.advantage_estimator in ("gae", "vtrace") and alg.whiten_advantages:
+            assert batch.advantages is not None
+            batch = batch.replace(advantages=global_whiten(batch.advantages, mask))
+        if not fused:
             is_w = truncated_is_weights(
                 prox, batch.behaviour_logprobs, mask, cap=alg.is_cap, level=alg.is_level
             )  # (n, R)
@@ -281,11 +284,43 @@ class PolicyTrainer:
             _add_token_sums(sums, token, top, ref is not None)
         return loss, anchor, MetricVector(micro_keys(self.algorithm), micro)
 
+    def _vtrace_advantages(
+        self, batch: ExperienceBatch, target: Tensor, sums: MetricSums
+    ) -> ExperienceBatch:
+        """V-trace advantages from the critic's values and token rewards, with the proximal
+        log-probs (the current policy) as the target and the sampler's as the behaviour."""
+        alg = self.algorithm
+        assert batch.values is not None and batch.rewards is not None
+        mask = batch.response_mask
+        adv, _ = compute_vtrace(
+            batch.rewards,
+            batch.values,
+            target,
+            batch.behaviour_logprobs,
+            mask,
+            gamma=alg.gamma,
+            lam=alg.lam,
+            rho_bar=alg.vtrace_rho_bar,
+            c_bar=alg.vtrace_c_bar,
+        )
+        log_ratio = target - batch.behaviour_logprobs
+        truncated = mask & (log_ratio > math.log(alg.vtrace_rho_bar) + _VTRACE_TRUNCATION_TOL)
+        sums.add("vtrace/truncated_tokens", float(truncated.sum()))
+        if batch.advantages is not None:  # the critic's on-policy (GAE) advantages
+            change = masked_sum((adv - batch.advantages).abs().double(), mask)
+            sums.add("vtrace/adv_change_sum", change)
+        return batch.replace(advantages=adv.float())
+
     @staticmethod
     def _batch_counts(sums: MetricSums, batch: ExperienceBatch) -> None:
+        mask = batch.response_mask
         sums.add("batch/samples", float(batch.num_samples))
-        sums.add("batch/response_tokens", float(batch.response_mask.sum()))
+        sums.add("batch/response_tokens", float(mask.sum()))
         sums.add("batch/score_sum", batch.scores.double().sum())
+        if batch.advantages is not None:
+            adv = torch.where(mask, batch.advantages.double(), 0.0)
+            sums.add("batch/adv_sum", adv.sum())
+            sums.add("batch/adv_sq_sum", adv.square().sum())
 
     def _finish_metrics(
         self,
@@ -307,6 +342,17 @@ class PolicyTrainer:
         for key in kl_keys:
             out[key] = raw.pop(key) / tokens
         out["batch/score_mean"] = raw.pop("batch/score_sum") / samples
+        # the advantages trained on (after whitening), over response tokens
+        adv_mean = raw.pop("batch/adv_sum") / tokens
+        adv_var = max(raw.pop("batch/adv_sq_sum") / tokens - adv_mean**2, 0.0)
+        out["actor/advantages_mean"] = adv_mean
+        out["actor/advantages_std"] = math.sqrt(adv_var)
+        if self.algorithm.advantage_estimator == "vtrace":
+            out["vtrace/truncated_frac"] = raw.pop("vtrace/truncated_tokens") / tokens
+            out["vtrace/adv_change"] = raw.pop("vtrace/adv_change_sum") / tokens
+        else:
+            raw.pop("vtrace/truncated_tokens")
+            raw.pop("vtrace/adv_change_sum")
         out["batch/response_length_mean"] = tokens / samples
         out.update(
             perf_metrics(

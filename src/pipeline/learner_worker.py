@@ -93,7 +93,8 @@ class LearnerWorker:
         loaded = None
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)
-        if self.config.replicas("rollout") > 0:
+        # rank 0 without a hub is replaying: no engines to publish to
+        if self.config.replicas("rollout") > 0 and (self.hub is not None or self.trainer.info.rank):
             from pipeline.weight_link import make_publisher
 
             self.publisher = make_publisher(self.config, self.trainer.model, self.hub)

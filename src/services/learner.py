@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +247,8 @@ class LearnerService(Service):
             metrics = batch_stats(groups)
             wall = time.time()
             if self.worker is not None:
-                metrics.update(await self._train(groups, self.step))
+                pending = await self._submit(groups, self.step)
+                metrics.update(await self._metrics(groups, pending))
             self.span("train", wall, time.time(), step=self.step)
             metrics["step_seconds"] = time.perf_counter() - start
             metrics["tokens_per_s"] = metrics["tokens"] / max(metrics["step_seconds"], 1e-9)
@@ -279,12 +281,16 @@ class LearnerService(Service):
             for delivery, _ in fresh:
                 delivery.ack()
 
-    async def _train(self, groups: list[GroupArrays], step: int) -> dict[str, float]:
-        """One PPO step on every rank; the step's metrics."""
+    def _submit(self, groups: list[GroupArrays], step: int) -> Awaitable[Any]:
+        """One PPO step queued on every rank: the caller awaits its PendingStep (no frame
+        of this method between the loop and the trainer in a traceback)."""
         assert self.worker is not None
         command = RankCommand(op=RankOp.TRAIN, step=step, groups=encode_groups(groups))
         batch = self.worker.rank_batch(groups)
-        pending = await self.thread.run(self.worker.trainer.submit_step, batch, command=command)
+        return self.thread.run(self.worker.trainer.submit_step, batch, command=command)
+
+    async def _metrics(self, groups: list[GroupArrays], pending: Any) -> dict[str, float]:
+        """The step's metrics (waiting for the device), with the groups' stage stats."""
         metrics = await self.thread.run(pending.result)
         return {**group_stats(groups), **{k: float(v) for k, v in metrics.items()}}
 
@@ -326,7 +332,8 @@ class LearnerService(Service):
             groups = [read_group(by_uid[uid]) for uid in steps[step]]
             metrics = batch_stats(groups)
             if self.worker is not None:
-                metrics.update(await self._train(groups, step))
+                pending = await self._submit(groups, step)
+                metrics.update(await self._metrics(groups, pending))
                 trained = [s.uid for g in groups for s in g.samples]
                 done = StepDone(
                     step=step, policy_version=step + 1, trained_uids=trained, metrics=metrics

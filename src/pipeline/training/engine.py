@@ -354,54 +354,51 @@ class TrainEngine:
         mini-batch, so after the cross-rank sum it is a mean over mini-batches * updates.
         The last update may stay queued on the device: end the step with `read_step`.
         """
-        # the device refreshes the compute copies while the host plans
-        with self._compute.prepared() if self._compute is not None else contextlib.nullcontext():
-            return self._run_epochs(batch, loss_agg_mode, micro_loss, sums)
-
-    def _run_epochs(
-        self, batch: ExperienceBatch, mode: LossAggMode, micro_loss: MicroLoss, sums: MetricSums
-    ) -> EpochStats:
         cfg = self.config
         stats = EpochStats()
         plans = None
-        for epoch in range(cfg.ppo_epochs):
-            if plans is None or cfg.shuffle:
-                plans = plan_step(
-                    batch,
-                    num_mini_batches=cfg.mini_batches,
-                    max_tokens=cfg.max_tokens_per_micro_batch,
-                    loss_agg_mode=mode,
-                    order=self.epoch_order(batch.num_samples, epoch),
-                    padding_free=cfg.padding_free,
-                    bucket=cfg.pack_bucket_tokens,
-                    world_size=self.info.world_size,
-                    reduce=all_reduce_ints,
-                )
-            for plan in plans:
-                bad = torch.zeros((), dtype=torch.bool, device=self.info.device)
-                with self.compute_weights(defer=True):
-                    for mb, weight, share in zip(
-                        plan.micro_batches, plan.weights, plan.shares, strict=True
-                    ):
-                        self.begin_forward()
-                        with record_function("train/forward"):
-                            loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
-                        with record_function("train/backward"):
-                            if loss is None:
-                                anchor.backward()
-                                continue
-                            (loss * weight).backward()
-                            if self._compute is not None:  # into the float32 accumulators
-                                self._compute.flush()
-                        bad |= ~torch.isfinite(loss.detach())
-                        stats.local_tokens += mb.num_tokens
-                        sums.add_all(metrics, scale=share)
-                with record_function("train/optimizer"):
-                    self.settle_into(stats)  # the previous update: one host sync
-                    if self._device_updates and plan.global_units > 0:
-                        self.queue_update(bad)
-                    else:
-                        stats.count(self.apply_gradients(bool(bad), empty=plan.global_units == 0))
+        # the device refreshes the compute copies while the host plans
+        prepared = self._compute.prepared() if self._compute is not None else None
+        with prepared or contextlib.nullcontext():
+            for epoch in range(cfg.ppo_epochs):
+                if plans is None or cfg.shuffle:
+                    plans = plan_step(
+                        batch,
+                        num_mini_batches=cfg.mini_batches,
+                        max_tokens=cfg.max_tokens_per_micro_batch,
+                        loss_agg_mode=loss_agg_mode,
+                        order=self.epoch_order(batch.num_samples, epoch),
+                        padding_free=cfg.padding_free,
+                        bucket=cfg.pack_bucket_tokens,
+                        world_size=self.info.world_size,
+                        reduce=all_reduce_ints,
+                    )
+                for plan in plans:
+                    bad = torch.zeros((), dtype=torch.bool, device=self.info.device)
+                    with self.compute_weights(defer=True):
+                        for mb, weight, share in zip(
+                            plan.micro_batches, plan.weights, plan.shares, strict=True
+                        ):
+                            self.begin_forward()
+                            with record_function("train/forward"):
+                                loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
+                            with record_function("train/backward"):
+                                if loss is None:
+                                    anchor.backward()
+                                    continue
+                                (loss * weight).backward()
+                                if self._compute is not None:  # into the float32 accumulators
+                                    self._compute.flush()
+                            bad |= ~torch.isfinite(loss.detach())
+                            stats.local_tokens += mb.num_tokens
+                            sums.add_all(metrics, scale=share)
+                    with record_function("train/optimizer"):
+                        self.settle_into(stats)  # the previous update: one host sync
+                        if self._device_updates and plan.global_units > 0:
+                            self.queue_update(bad)
+                        else:
+                            empty = plan.global_units == 0
+                            stats.count(self.apply_gradients(bool(bad), empty=empty))
         return stats
 
     # -- checkpoints ------------------------------------------------------------------

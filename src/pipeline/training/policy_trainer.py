@@ -16,6 +16,7 @@ One `train_step(batch)`:
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import time
@@ -223,12 +224,7 @@ class PolicyTrainer:
             token, top = token_sums(mask, batch.behaviour_logprobs, prox, ref, is_w, alg)
             _add_token_sums(sums, token, top, ref is not None)  # over the whole batch
         inputs = {"prox": prox, "is_w": is_w, "ref": ref, "adv": batch.advantages}
-
-        def micro_loss(
-            dev: MicroBatch, host: MicroBatch
-        ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
-            return self._micro_loss(dev, host, batch, inputs, sums)
-
+        micro_loss = functools.partial(self._micro_loss, batch=batch, inputs=inputs, sums=sums)
         stats = self.engine.run_epochs(batch, alg.loss_agg_mode, micro_loss, sums)
         self._batch_counts(sums, batch)  # host sums: after the device has its work
         sums.add("perf/tokens", float(stats.local_tokens))

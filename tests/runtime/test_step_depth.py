@@ -7,6 +7,7 @@ import asyncio
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import load_config
 from pipeline.runtime.service import ServiceContext
@@ -35,7 +36,7 @@ async def test_a_train_step_reaches_the_policy_loss_within_seven_frames(tmp_path
     assert task is not None
     seen: list[list[str]] = []
 
-    def profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
+    def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code is policy_loss_terms.__code__ and not seen:
             thread_frames = []
             f = frame

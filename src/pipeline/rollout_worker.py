@@ -1,8 +1,9 @@
 """The rollout service's engine, driven on its own thread so the event loop stays live.
 
 Prompts from concurrent `generate` calls join the engine's running batch (continuous
-batching); a weight update is staged from any thread and the engine applies it between
-decode steps, so sequences in flight record both versions.
+batching); a weight update is offered from any thread (the weight receiver) and the engine
+thread applies it between two steps, also when it has nothing to generate, so sequences in
+flight record both versions and the receiver's WeightDone follows the apply.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,7 @@ class EngineRunner:
         self._wake = threading.Event()
         self._closed = False
         self._error: BaseException | None = None
+        self._update: Future[int] | None = None  # the latest weight update offered
         self.log = get_logger("engine_runner")
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -68,10 +71,22 @@ class EngineRunner:
         self._wake.set()
         return await pending.future
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Stage a complete update; the engine applies it at its next safe point."""
-        self.engine.update_weights(named_tensors, version)
+    def update_weights(self, tensors: Mapping[str, Any], version: int) -> Future[int]:
+        """The weight receiver's apply: offer its staging tensors (validated against the
+        engine's parameters by the receiver); the Future resolves once the engine thread has
+        copied them into its live weights at its next safe point."""
+        if self._error is not None:
+            raise self._error
+        future = self.engine.update_weights(tensors.items(), version, checked=True)
+        self._update = future
+        if self._closed:  # the loop has ended or is ending: no safe point will come
+            future.cancel()
         self._wake.set()
+        return future
+
+    def _update_due(self) -> bool:
+        update = self._update
+        return update is not None and not update.done()
 
     def _finish(self, pending: _Pending) -> None:
         samples = []
@@ -99,7 +114,7 @@ class EngineRunner:
                     uid, ids, params, pending = self._submit.get()
                     self._pending[uid] = pending
                     self.engine.add_request(GenerationRequest(uid, ids, params))
-                if not self.engine.has_unfinished():
+                if not self.engine.has_unfinished() and not self._update_due():
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
@@ -114,6 +129,10 @@ class EngineRunner:
             self.log.exception("engine_failed")
             for pending in self._pending.values():
                 self.loop.call_soon_threadsafe(_fail, pending.future, exc)
+        finally:
+            self._closed = True
+            if self._update is not None:
+                self._update.cancel()  # no safe point will come: the receiver stops waiting
 
     async def close(self) -> None:
         self._closed = True

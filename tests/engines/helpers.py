@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import types
+from collections.abc import Iterable
 
 import torch
 
@@ -110,3 +113,25 @@ def assert_same_sample(got: GenerationOutput, want: GenerationOutput, atol: floa
     torch.testing.assert_close(
         torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=atol, rtol=0
     )
+
+
+def tensor_bytes_held(obj: object, *, besides: Iterable[torch.Tensor]) -> int:
+    """Bytes of the tensor storages reachable from `obj` (through containers, attributes and
+    futures, not through modules or code) that none of `besides` shares."""
+    skip = {t.untyped_storage().data_ptr() for t in besides}
+    opaque = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module)
+    seen: set[int] = set()
+    held: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or isinstance(item, opaque):
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            if storage.data_ptr() not in skip:
+                held[storage.data_ptr()] = storage.nbytes()
+            continue
+        stack.extend(gc.get_referents(item))
+    return sum(held.values())

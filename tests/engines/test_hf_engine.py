@@ -9,7 +9,14 @@ from pipeline.engines import GenerationRequest, SamplingParams, make_engine
 from pipeline.engines.hf_engine import HFEngine, HFEngineConfig
 from pipeline.models import CausalLM, load_model
 
-from .helpers import TINY, full_forward_logprobs, greedy_reference, perturbed_state, prompts
+from .helpers import (
+    TINY,
+    full_forward_logprobs,
+    greedy_reference,
+    perturbed_state,
+    prompts,
+    tensor_bytes_held,
+)
 
 LENGTHS = [3, 11, 6, 1]
 
@@ -65,12 +72,14 @@ def test_hf_engine_stops_per_row_and_applies_updates_between_generate_calls(mode
     assert out_b.output_ids == full_b[:end_b]
 
     state = perturbed_state(native, seed=9)
-    engine.update_weights(state.items(), version=1)
+    update = engine.update_weights(state.items(), version=1)
+    live = engine.model.state_dict().values()
+    assert tensor_bytes_held(engine.weights, besides=[*live, *state.values()]) == 0  # no copy
     new = CausalLM(TINY).eval()
     new.load_state_dict(state)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
     (out,) = engine.generate([GenerationRequest("c", prompt_a, greedy)])
-    assert engine.version == 1
+    assert engine.version == 1 and update.result(timeout=0) == 1
     assert out.token_versions == [1] * 6
     assert out.output_ids == greedy_reference(new, prompt_a, 6)
 

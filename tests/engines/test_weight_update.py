@@ -25,6 +25,7 @@ from .helpers import (
     make_model,
     perturbed_state,
     prompts,
+    tensor_bytes_held,
 )
 
 BEFORE = 4  # tokens each sample produces before the update lands
@@ -47,12 +48,12 @@ def _run_with_update(engine, state, batch) -> list[GenerationOutput]:
         engine.add_request(GenerationRequest(f"r{i}", p, GREEDY))
     for _ in range(BEFORE):
         assert engine.step() == []
-    engine.update_weights(state.items(), version=1)
-    assert engine.version == 0  # staged, not applied: only step() applies it
+    update = engine.update_weights(state.items(), version=1)
+    assert engine.version == 0 and not update.done()  # offered: only step() applies it
     outs: list[GenerationOutput] = []
     while engine.has_unfinished():
         outs.extend(engine.step())
-        assert engine.version == 1
+        assert engine.version == 1 and update.result(timeout=0) == 1
     return sorted(outs, key=lambda o: o.request_id)
 
 
@@ -235,3 +236,55 @@ def test_update_staged_from_another_thread_lands_whole_between_two_steps(
     assert len(switch) == 1  # every sample switched at the same step
     (at,) = switch
     assert all(o.token_versions == [0] * at + [1] * (20 - at) for o in outs)
+
+
+def test_update_is_copied_only_into_the_live_weights_and_resolves_once_they_serve(
+    make_torch_engine, policies
+):
+    _, new, state = policies
+    engine = make_torch_engine(max_batch=2)
+    live = list(engine.model.parameters())
+    update = engine.update_weights(state.items(), version=1)
+    # parked until the safe point: the engine refers to the caller's tensors, copies nothing
+    assert tensor_bytes_held(engine.weights, besides=[*live, *state.values()]) == 0
+    assert not update.done() and engine.version == 0
+    engine.step()
+    assert update.result(timeout=0) == 1 and engine.version == 1
+    for name, param in engine.model.state_dict().items():
+        assert torch.equal(param, state[name]), name
+    assert tensor_bytes_held(engine.weights, besides=live) == 0  # nothing kept between syncs
+    prompt = prompts(1, [5], seed=2)[0]
+    (out,) = engine.generate([GenerationRequest("r", prompt, GREEDY)])
+    assert out.output_ids == greedy_reference(new, prompt, MAX_NEW)
+    assert out.token_versions == [1] * MAX_NEW
+
+
+def test_withdrawn_update_is_never_applied(make_torch_engine, policies):
+    old, _, state = policies
+    engine = make_torch_engine(max_batch=2)
+    prompt = prompts(1, [5], seed=2)[0]
+    engine.add_request(GenerationRequest("r", prompt, GREEDY))
+    engine.step()
+    update = engine.update_weights(state.items(), version=1)
+    assert update.cancel()  # as the receiver does when its apply deadline passes
+    outs: list[GenerationOutput] = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    assert engine.version == 0 and update.cancelled()
+    assert outs[0].output_ids == greedy_reference(old, prompt, MAX_NEW)
+    assert outs[0].token_versions == [0] * MAX_NEW
+    engine.update_weights(state.items(), version=1)  # the same version may come again
+    engine.step()
+    assert engine.version == 1
+
+
+def test_newer_update_withdraws_an_older_one_not_yet_applied(make_torch_engine, policies):
+    old, _, state = policies
+    engine = make_torch_engine(max_batch=2)
+    first = engine.update_weights(state.items(), version=1)
+    second = engine.update_weights(old.state_dict().items(), version=2)
+    assert first.cancelled() and not second.done()
+    engine.step()
+    assert second.result(timeout=0) == 2 and engine.version == 2
+    for name, param in engine.model.state_dict().items():
+        assert torch.equal(param, old.state_dict()[name]), name

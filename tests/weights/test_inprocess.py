@@ -10,12 +10,12 @@ import torch
 import zmq
 
 from pipeline import codec
+from pipeline.engines.weights import SafePoint
 from pipeline.errors import WeightSyncError
 from pipeline.messages import Hello
 from pipeline.models import CausalLM
 from pipeline.weights import (
     PublishConfig,
-    SafePointApply,
     SyncTimeouts,
     WeightHub,
     WeightPublisher,
@@ -41,23 +41,22 @@ class Engine:
         hub.test_engines.append(self)
         self.serving = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in specs.items()}
         self.applied: list[int] = []
-
-        def copy(tensors, version):
-            for n, t in tensors.items():
-                self.serving[n].copy_(t)
-            self.applied.append(version)
-
         self.receiver = WeightReceiver(
             name,
             hub.endpoint,
             specs,
-            apply or copy,
+            apply or self.load,
             tp_rank=tp_rank,
             tp_size=tp_size,
             timeouts=FAST,
             version=version,
         )
         self.receiver.start()
+
+    def load(self, tensors, version):
+        for n, t in tensors.items():
+            self.serving[n].copy_(t)
+        self.applied.append(version)
 
 
 @pytest.fixture
@@ -150,8 +149,8 @@ def test_bad_metadata_is_refused_with_every_name_and_old_version_keeps_serving(m
 
 
 def test_apply_timeout_fails_the_update_and_keeps_the_old_version(model, hub):
-    parked = SafePointApply(lambda tensors, version: None)  # the engine never reaches a safe point
-    engine = Engine(hub, "stuck", shard_specs(0, 1), apply=parked, version=7)
+    parked = SafePoint(version=7)  # offered, but the engine never reaches a safe point
+    engine = Engine(hub, "stuck", shard_specs(0, 1), apply=parked.offer, version=7)
     engine.receiver.timeouts = SyncTimeouts(group_s=5, meta_s=1, bucket_s=2, apply_s=0.3)
     hub.wait_for_members(1, 10)
     publisher = WeightPublisher(model, hub=hub, config=PublishConfig(timeouts=FAST))
@@ -159,7 +158,8 @@ def test_apply_timeout_fails_the_update_and_keeps_the_old_version(model, hub):
         publisher.publish(8)
     assert info.value.phase == "apply" and info.value.peer == "stuck"
     assert engine.receiver.version == 7
-    assert parked.run_pending() is None  # withdrawn: a late safe point does not apply it
+    assert parked.run(engine.load) is None  # withdrawn: a late safe point does not apply it
+    assert engine.applied == [] and parked.version == 7
 
 
 def _fake_engine(hub, name):

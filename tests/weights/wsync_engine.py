@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: t
 
 import torch
 
-from pipeline.weights import SafePointApply, SyncTimeouts, WeightReceiver, cuda_ipc
+from pipeline.engines.weights import SafePoint
+from pipeline.weights import SyncTimeouts, WeightReceiver, cuda_ipc
 from tests.weights.wsync_common import ROLLOUT_DTYPE, shard_specs
 
 
@@ -36,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
-    appliers, receivers = [], []
+    points, loads, receivers = [], [], []
     for rank in range(args.tp_size):
         member = args.name if args.tp_size == 1 else f"{args.name}.tp{rank}"
         specs = shard_specs(rank, args.tp_size)
@@ -45,7 +46,7 @@ def main() -> None:
             n: torch.zeros(s.shape, dtype=ROLLOUT_DTYPE, device=device) for n, s in specs.items()
         }
 
-        def apply(tensors, version, member=member, serving=serving):
+        def load(tensors, version, member=member, serving=serving):
             for name, value in tensors.items():
                 serving[name].copy_(value)
             torch.save({n: t.cpu() for n, t in serving.items()}, out / f"{member}.v{version}.pt")
@@ -56,12 +57,12 @@ def main() -> None:
             if version == args.slow_version:
                 time.sleep(args.slow_s)
 
-        applier = SafePointApply(apply)
+        point = SafePoint(version=-1)
         receiver = WeightReceiver(
             member,
             args.endpoint,
             specs,
-            applier,
+            point.offer,
             replica=args.replica,
             tp_rank=rank,
             tp_size=args.tp_size,
@@ -70,13 +71,14 @@ def main() -> None:
             on_bucket=on_bucket,
         )
         receiver.start()
-        appliers.append(applier)
+        points.append(point)
+        loads.append(load)
         receivers.append(receiver)
     emit(event="started", name=args.name)
     deadline = time.monotonic() + args.max_seconds
     while time.monotonic() < deadline:  # the engine loop: apply only between "steps"
-        for applier in appliers:
-            applier.run_pending()
+        for point, load in zip(points, loads, strict=True):
+            point.run(load)
         time.sleep(0.005)
     for receiver in receivers:
         receiver.stop()

@@ -1,15 +1,16 @@
 """The one interface every generation backend implements (built-in torch, transformers, vLLM).
 
 The rollout service drives an engine with add_request / step from one thread; update_weights
-may come from another thread (the weight receiver). It only stages the tensors; the engine
-applies them at its next safe point between decode steps, so a decode step never sees half
-of an update.
+may come from another thread (the weight receiver). It only parks a reference to the tensors
+and returns a Future; the engine copies them into its live weights at its next safe point
+between steps, so a step never sees half of an update, and then resolves the Future.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -26,20 +27,31 @@ class Engine(ABC):
 
     @abstractmethod
     def step(self) -> list[GenerationOutput]:
-        """Apply staged weights if due, admit waiting requests, decode one token for every
-        running sample; return the samples that finished in this step."""
+        """Apply a pending weight update if due, admit waiting requests, decode one token for
+        every running sample; return the samples that finished in this step."""
 
     @abstractmethod
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        """Stage a complete set of weights as policy `version`; applied by a later step()."""
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        checked: bool = False,
+    ) -> Future[int]:
+        """Offer a complete set of weights as policy `version`, applied by a later step().
+
+        The tensors are not copied here: keep them unchanged until the Future is done. It
+        resolves once the engine serves `version`; cancel it to withdraw the update (the old
+        weights keep serving). A bad update raises WeightUpdateError at once; `checked` skips
+        the name and shape checks when the caller already made them (the weight receiver
+        validated its metadata against this engine's parameters).
+        """
 
     # every engine pauses the same way: its step() checks this flag
     _paused: bool = False
 
     def pause(self) -> None:
-        """Stop admitting and decoding; staged weights are still applied by step()."""
+        """Stop admitting and decoding; a weight update is still applied by step()."""
         self._paused = True
 
     def resume(self) -> None:

@@ -20,7 +20,7 @@ class EngineStateError(EngineError):
 
 class WeightUpdateError(EngineError):
     """A weight update names unknown parameters, has wrong shapes or goes back in version;
-    nothing of it was staged, so the engine keeps serving the previous weights."""
+    it is refused before the engine takes any of it, so the previous weights keep serving."""
 
 
 class BackendUnavailableError(EngineError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from pipeline.engines.base import Engine
 from pipeline.engines.errors import BackendUnavailableError, InvalidRequestError
 from pipeline.engines.rng import mix32_int, sample_key
 from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
-from pipeline.engines.weights import StagedWeights
+from pipeline.engines.weights import ModelWeights
 from pipeline.log import get_logger
 
 _log = get_logger("engines.hf")
@@ -97,7 +98,7 @@ class HFEngine(Engine):
         self.model.generation_config = transformers.GenerationConfig(pad_token_id=_PAD_ID)
         self._generation_config_cls = transformers.GenerationConfig
         self.vocab_size = int(self.model.config.vocab_size)
-        self.weights = StagedWeights(self.model)
+        self.weights = ModelWeights(self.model)
         self._seed_gen = torch.Generator().manual_seed(self.config.seed)
         self._waiting: deque[_HFSample] = deque()
         self._unfinished: dict[str, int] = {}
@@ -113,9 +114,13 @@ class HFEngine(Engine):
         return bool(self._waiting)
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        self.weights.stage(named_tensors, version)
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        checked: bool = False,
+    ) -> Future[int]:
+        return self.weights.update(named_tensors, version, checked=checked)
 
     def add_request(self, request: GenerationRequest) -> None:
         prompt = list(request.prompt_ids)
@@ -135,8 +140,8 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def step(self) -> list[GenerationOutput]:
-        if self.weights.has_pending():
-            _log.info("weights applied", version=self.weights.apply())
+        if self.weights.has_pending() and (version := self.weights.apply()) is not None:
+            _log.info("weights applied", version=version)
         if self._paused or not self._waiting:
             return []
         batch = self._take_batch()

@@ -17,12 +17,13 @@ row (its length, tokens and cache no longer change; its KV write goes to the sin
 slot is freed during step t + 1 and its output is returned by step t + 2. Tokens, log-probs and
 versions are the same as without overlap.
 
-Weight updates land between steps. kv_on_update="recompute" (default) re-prefills every
-running sample under the new weights before its next token, so each token tagged with
-version v is exactly a draw from policy v given its prefix; "keep" reuses the cached keys
-and values computed by the old weights (cheaper; later tokens then come from a mix of
-versions, as in PipelineRL). drain_on_update stops admitting while an update is pending and
-applies it once every running sample has finished, so no sample mixes versions.
+Weight updates land between steps: step() copies the caller's tensors into the live
+parameters and then resolves the update's Future (engines/weights.py). kv_on_update="recompute"
+(default) re-prefills every running sample under the new weights before its next token, so
+each token tagged with version v is exactly a draw from policy v given its prefix; "keep"
+reuses the cached keys and values computed by the old weights (cheaper; later tokens then come
+from a mix of versions, as in PipelineRL). drain_on_update stops admitting while an update is
+pending and applies it once every running sample has finished, so no sample mixes versions.
 
 Determinism: sampling noise is a hash of (sample seed, token index, vocab id), see rng.py.
 A request with a seed gets the same tokens whatever it is batched with and whenever it is
@@ -38,6 +39,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,7 +53,7 @@ from pipeline.engines.rng import GumbelNoise, sample_key
 from pipeline.engines.sampling import RowParams, sample
 from pipeline.engines.slot_state import SlotState
 from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
-from pipeline.engines.weights import StagedWeights
+from pipeline.engines.weights import ModelWeights
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.models import CausalLM, KVCache, load_model
@@ -172,7 +174,7 @@ class TorchEngine(Engine):
         self.cache.decode_kernel = supported if cfg.decode_kernel is None else cfg.decode_kernel
         self.state = SlotState(cfg.max_batch, cfg.max_seq_len, self.device)
         self.noise = GumbelNoise(self.vocab_size, self.device)
-        self.weights = StagedWeights(model)
+        self.weights = ModelWeights(model)
         self._sample = sample
         if cfg.compile and self.device.type == "cuda":
             compile_for_decoding(model)
@@ -225,9 +227,13 @@ class TorchEngine(Engine):
         return len(self._waiting)
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        self.weights.stage(named_tensors, version)
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        checked: bool = False,
+    ) -> Future[int]:
+        return self.weights.update(named_tensors, version, checked=checked)
 
     def add_request(self, request: GenerationRequest) -> None:
         params = request.params
@@ -307,6 +313,8 @@ class TorchEngine(Engine):
         self._inflight = None
         start = time.perf_counter()
         version = self.weights.apply()
+        if version is None:
+            return  # withdrawn (the receiver timed out): the old weights keep serving
         self.state.version.fill_(version)  # the tag _emit writes per token, kept on the device
         if self._running and self.config.kv_on_update == "recompute":
             self._recompute_kv(list(self._running.values()))

@@ -9,9 +9,10 @@ Semantics and their limits:
   logprobs=0, i.e. only the sampled token's. With top-k / top-p truncation vLLM reports the
   log-prob under the truncated, renormalised distribution, unlike the built-in engine's
   full-distribution convention; RL rollouts normally sample with neither.
-* Weight updates are staged by update_weights() and applied at the start of the next step()
-  by `collective_rpc` calling each worker's `reload_weights` (vLLM's in-place layerwise
-  reload). A bare second `model.load_weights` is not enough: after the first load vLLM's
+* update_weights() parks a reference to the tensors (engines/weights.py, no copy); the next
+  step() loads them by `collective_rpc` calling each worker's `reload_weights` (vLLM's
+  in-place layerwise reload) and then resolves the update's Future. A bare second
+  `model.load_weights` is not enough: after the first load vLLM's
   process_weights_after_loading has turned parameters into kernel form (on CPU, e.g., the
   linear layers' weights are repacked for oneDNN / sgl GEMMs and replaced by empty
   Parameters without weight loaders). reload_weights restores the checkpoint-format
@@ -28,20 +29,18 @@ Semantics and their limits:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pipeline.engines.base import Engine
-from pipeline.engines.errors import (
-    BackendUnavailableError,
-    InvalidRequestError,
-    WeightUpdateError,
-)
+from pipeline.engines.errors import BackendUnavailableError, InvalidRequestError
 from pipeline.engines.rng import sample_key
 from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
+from pipeline.engines.weights import SafePoint
 from pipeline.log import get_logger
 
 _log = get_logger("engines.vllm")
@@ -113,30 +112,27 @@ class VLLMEngine(Engine):
         self._seed_gen = torch.Generator().manual_seed(cfg.seed)
         self._tracks: dict[str, _Track] = {}  # vLLM request id -> track
         self._unfinished: dict[str, int] = {}
-        self._staged: tuple[list[tuple[str, torch.Tensor]], int] | None = None
-        self._version = 0
+        self.weights = SafePoint()
         self._paused = False
 
     # -- Engine interface ------------------------------------------------------------------
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.weights.version
 
     def has_unfinished(self) -> bool:
         return bool(self._tracks)
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        """Stage a copy; vLLM's load_weights checks the names when it is applied."""
-        floor = max(self._version, self._staged[1] if self._staged else self._version)
-        if version < floor:
-            raise WeightUpdateError(
-                f"weight update to version {version} refused: older than version {floor}"
-            )
-        staged = [(name, t.detach().clone()) for name, t in named_tensors]
-        self._staged = (staged, version)
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        checked: bool = False,
+    ) -> Future[int]:
+        """Park the tensors; vLLM's loaders check the names when step() loads them."""
+        return self.weights.offer(dict(named_tensors), version)
 
     def add_request(self, request: GenerationRequest) -> None:
         params = request.params
@@ -162,8 +158,8 @@ class VLLMEngine(Engine):
         self._unfinished[request.request_id] = params.n
 
     def step(self) -> list[GenerationOutput]:
-        if self._staged is not None:
-            self._apply_weights()
+        if self.weights.has_pending():
+            self.weights.run(self._load_weights)
         if self._paused or not self._tracks:
             return []
         finished: list[GenerationOutput] = []
@@ -178,7 +174,7 @@ class VLLMEngine(Engine):
                 entry[token].logprob
                 for entry, token in zip(completion.logprobs or [], new_ids, strict=True)
             )
-            track.versions.extend([self._version] * len(new_ids))
+            track.versions.extend([self.weights.version] * len(new_ids))
             if out.finished:
                 finished.append(self._finish(out.request_id, completion.finish_reason))
         return finished
@@ -204,18 +200,14 @@ class VLLMEngine(Engine):
             output_kind=kind,
         )
 
-    def _apply_weights(self) -> None:
-        assert self._staged is not None
-        weights, version = self._staged
-        self._staged = None
+    def _load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         # Worker.reload_weights: checkpoint-format names and shapes (HF names, unsharded)
         self.llm.collective_rpc(
             "reload_weights",
-            kwargs={"weights_iterator": weights, "is_checkpoint_format": True},
+            kwargs={"weights_iterator": list(tensors.items()), "is_checkpoint_format": True},
         )
         self.llm.reset_prefix_cache()
-        self._version = version
-        _log.info("weights applied", version=version, tensors=len(weights))
+        _log.info("weights applied", version=version, tensors=len(tensors))
 
     def _finish(self, vllm_id: str, reason: str | None) -> GenerationOutput:
         track = self._tracks.pop(vllm_id)

@@ -3,12 +3,11 @@
 See `publisher.py` (learner), `receiver.py` (engine) and ARCHITECTURE.md "Weight sync".
 """
 
-from pipeline.weights.apply import ApplyFn, SafePointApply, copy_into
 from pipeline.weights.config import GroupOptions, PublishConfig, SyncTimeouts
 from pipeline.weights.hub import WeightHub
 from pipeline.weights.plan import BucketPlan, Chunk, TensorSpec
 from pipeline.weights.publisher import SyncReport, WeightPublisher
-from pipeline.weights.receiver import WeightReceiver
+from pipeline.weights.receiver import ApplyFn, WeightReceiver
 from pipeline.weights.validate import ParamSpec, params_of, validate_meta
 
 __all__ = [
@@ -18,14 +17,12 @@ __all__ = [
     "GroupOptions",
     "ParamSpec",
     "PublishConfig",
-    "SafePointApply",
     "SyncReport",
     "SyncTimeouts",
     "TensorSpec",
     "WeightHub",
     "WeightPublisher",
     "WeightReceiver",
-    "copy_into",
     "params_of",
     "validate_meta",
 ]

@@ -9,9 +9,13 @@ rank, each a weight-group member that keeps its own slice):
   <- SyncGo(proceed)                          every engine answered; move the bytes or not
      ... broadcasts (or CUDA IPC ready/free per bucket) into staging tensors ...
   -> WeightDone(ok, seconds, error)           only after the last bucket landed and the
-                                              engine applied the update at a safe point
+                                              engine serves the update (its Future resolved)
 Any failure or phase timeout (meta, buckets, apply) leaves the old weights and version
 serving and answers WeightDone(ok=False, error="<phase>: ...").
+
+The staging tensors are the engine's only staging copy of the weights: `apply` hands them
+to the engine, which copies them into its live parameters at its own safe point
+(engines/weights.py) while this thread waits, so they are never overwritten before that.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 import torch
@@ -35,7 +39,6 @@ from pipeline.errors import MetadataRejected
 from pipeline.log import get_logger
 from pipeline.messages import Hello, Shutdown, WeightDone, WeightMeta
 from pipeline.transport.channel import connect, new_identity
-from pipeline.weights.apply import ApplyFn
 from pipeline.weights.config import GroupOptions, SyncTimeouts
 from pipeline.weights.cuda_ipc import open_handle
 from pipeline.weights.group import WeightGroup, store_client
@@ -57,6 +60,10 @@ from pipeline.weights.wire import (
 HELLO_EVERY_S = 2.0  # an idle receiver re-registers this often
 
 log = get_logger("weights.receiver")
+# the engine's take of a landed update: (staging tensors by name, version) -> None once
+# applied, or a Future resolved once applied (cancelled when apply_s runs out). The tensors
+# are reused by the next update: the engine copies them before resolving.
+ApplyFn = Callable[[dict[str, torch.Tensor], int], "Future[int] | None"]
 # (version, bucket, number of buckets) after a bucket landed: progress metrics, tests
 OnBucket = Callable[[int, int, int], None]
 
@@ -362,12 +369,17 @@ class WeightReceiver:
 
     def _apply(self, version: int) -> None:
         result = self.apply_fn(self.staging.tensors, version)
-        if isinstance(result, Future):
-            try:
-                result.result(timeout=self.timeouts.apply_s)
-            except TimeoutError:
-                if result.cancel():
-                    raise TimeoutError(
-                        f"not applied within {self.timeouts.apply_s:.1f}s; old version kept"
-                    ) from None
-                result.result()  # already being applied: it completes atomically
+        if not isinstance(result, Future):
+            return
+        try:
+            result.result(timeout=self.timeouts.apply_s)
+        except TimeoutError:
+            if result.cancel():  # withdrawn: a later safe point skips it
+                raise TimeoutError(
+                    f"not applied within {self.timeouts.apply_s:.1f}s; old version kept"
+                ) from None
+            result.result()  # already being copied: wait for the copy to end
+        except CancelledError:
+            raise RuntimeError(
+                "the engine withdrew the update (closing); old version kept"
+            ) from None

@@ -1,9 +1,11 @@
 """Engine side: unpack received buckets into staging tensors (the engine's TP slice).
 
 Staging tensors are allocated once per engine in its own dtype and shard shapes and reused
-every sync; the serving weights are untouched until the whole update has landed, so any
-failure mid-way leaves the old version serving. A tensor split across buckets is first
-assembled in a full-size byte buffer, then sliced when its last chunk arrives.
+every sync; they are the engine's one staging copy of the weights, which the engine copies
+into its serving weights at its safe point. The serving weights are untouched until the
+whole update has landed, so any failure mid-way leaves the old version serving. A tensor
+split across buckets is first assembled in a full-size byte buffer, then sliced when its
+last chunk arrives.
 """
 
 from __future__ import annotations

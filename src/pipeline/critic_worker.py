@@ -24,7 +24,13 @@ from pipeline.trainer_setup import batch_from_groups, reference_config
 
 ANNOTATED = ("values", "advantages", "returns", "rewards")
 # what a group carries on from the critic's own metrics (GroupArrays.stats)
-_GROUP_STATS = ("kl/coef", "kl/reward_kl", "kl/reward_penalty", "critic/values_mean")
+_GROUP_STATS = (
+    "kl/coef",
+    "kl/reward_kl",
+    "kl/reward_seq_kl",
+    "kl/reward_penalty",
+    "critic/values_mean",
+)
 
 
 class CriticWorker:

@@ -90,6 +90,7 @@ class LearnerWorker:
             str(directory), policy_config(self.config), self.config.algorithm
         )
         log_sharding(self.log, self.trainer)
+        self.log.info("trainer_built", reference=self.trainer.reference is not None)
         loaded = None
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)

@@ -260,7 +260,7 @@ class WeightMeta(_Wire):
 
 
 class WeightDone(_Wire):
-    """Engine -> learner: the update landed (or failed, with the reason)."""
+    """Engine -> learner: the update is applied and served (or failed, with the reason)."""
 
     TYPE: ClassVar[MsgType] = MsgType.WEIGHT_DONE
     version: int

@@ -55,14 +55,20 @@ def publish_config(config: PipelineConfig) -> Any:
     ranks on one device), else NCCL between GPUs / gloo on CPU; striped senders and the
     bucket size from `learner.weights`."""
     from pipeline.weights import PublishConfig
+    from pipeline.weights.config import SyncTimeouts
 
     shared = config.shares_device("rollout", "learner")
     section = config.learner.weights
     return PublishConfig(
-        bucket_bytes=section.bucket_mb << 20,
+        bucket_bytes=int(section.bucket_mb * (1 << 20)),
         dtype=getattr(torch, config.model.dtype),
         striped=section.striped,
         transport="cuda_ipc" if shared else "auto",
+        timeouts=SyncTimeouts(
+            meta_s=section.meta_timeout_s,
+            bucket_s=section.bucket_timeout_s,
+            apply_s=section.apply_timeout_s,
+        ),
         group=group_options(config, "learner"),
     )
 
@@ -164,6 +170,7 @@ def start_receiver(ctx: Any, runner: Any) -> Any:
         runner.update_weights,
         replica=ctx.replica,
         options=group_options(ctx.config, "rollout"),
+        timeouts=publish_config(ctx.config).timeouts,
         run_id=ctx.run_id,
         version=runner.version,
     )

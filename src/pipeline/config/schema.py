@@ -90,8 +90,8 @@ class PlacementConfig:
         if self.tp > 1:
             raise ConfigError(
                 f"services.{role}.tp = {self.tp}: the built-in engine has no tensor "
-                "parallelism yet, and the vLLM backend is not given it; use tp = 1 (one "
-                "device per engine replica) and more replicas"
+                "parallelism yet; use tp = 1 (one device per engine replica) and more "
+                "replicas (the vLLM backend is not given tp either)"
             )
 
 
@@ -174,12 +174,22 @@ class WeightSyncSection:
     # every learner rank gathers and broadcasts only its stripe of the buckets (fsdp_size
     # > 1 over NCCL or gloo; not with CUDA IPC) instead of rank 0 sending them all
     striped: bool = False
-    # bytes of one broadcast bucket
-    bucket_mb: int = 1024
+    # size of one broadcast bucket (MiB; fractions for small models)
+    bucket_mb: float = 1024.0
+    # seconds for every engine to check an update's metadata and answer; a silent engine
+    # is left out of that update (it keeps its version) and rejoins when it registers again
+    meta_timeout_s: float = 30.0
+    # seconds one bucket's broadcast may take
+    bucket_timeout_s: float = 120.0
+    # seconds for every engine to apply the update at its next safe point and say so
+    apply_timeout_s: float = 300.0
 
     def validate(self) -> None:
-        if self.bucket_mb < 1:
-            raise ConfigError("learner.weights.bucket_mb must be >= 1")
+        if not self.bucket_mb * (1 << 20) >= 64:
+            raise ConfigError("learner.weights.bucket_mb must be at least 64 bytes' worth")
+        for key in ("meta_timeout_s", "bucket_timeout_s", "apply_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"learner.weights.{key} must be > 0 (seconds)")
 
 
 @dataclass(frozen=True)

@@ -321,6 +321,7 @@ class WeightPublisher:
             ipc = IpcSender(self.hub, self.members, version, self.config.timeouts.bucket_s)
         works: list[Any] = [None, None]
         failure: tuple[str, str] | None = None
+        packed = 0
         for k, size in enumerate(self.plan.bucket_sizes):
             gathered = self.gatherer.gather(k)
             if failure is not None:
@@ -334,6 +335,7 @@ class WeightPublisher:
                 owner = k % self.senders
                 if owner == self.comm.rank:
                     pack(gathered, self.plan.by_bucket[k], self.gatherer.dtype, buf)
+                    packed += 1
                 if ipc is not None:
                     works[slot] = ipc.send(k, slot, buf)
                 else:
@@ -345,6 +347,8 @@ class WeightPublisher:
                 self._drain(works)
                 self._close_group()  # peers blocked on us fail now, not at their timeout
         failure = self._drain(works) if failure is None else failure
+        if self.config.striped:
+            log.info("weight_stripe_sent", rank=self.comm.rank, version=version, buckets=packed)
         return failure
 
     def _drain(self, works: list[Any]) -> tuple[str, str] | None:

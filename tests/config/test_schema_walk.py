@@ -116,7 +116,11 @@ def _load(profile: str, **overrides: str) -> PipelineConfig:
         ),
         ("h200-single.toml", {"learner.weights.striped": "true"}, "share a GPU here (CUDA IPC)"),
         ("local-cpu.toml", {"critic.keep_checkpoints": "0"}, "critic.keep_checkpoints must be"),
-        ("local-cpu.toml", {"learner.weights.bucket_mb": "0"}, "bucket_mb must be at least 64 bytes"),
+        (
+            "local-cpu.toml",
+            {"learner.weights.bucket_mb": "0"},
+            "bucket_mb must be at least 64 bytes",
+        ),
     ],
 )
 def test_a_value_the_code_cannot_honour_is_refused_at_load_with_the_fix(

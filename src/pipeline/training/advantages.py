@@ -9,6 +9,7 @@ from torch import Tensor
 
 from pipeline.algorithms import (
     AlgorithmConfig,
+    compute_vtrace,
     grpo_advantages,
     kl_penalty_rewards,
     masked_mean,
@@ -137,6 +138,24 @@ def global_whiten(
     if not shift_mean:
         out = out + mean
     return torch.where(m, out, 0.0).to(values.dtype)
+
+
+def vtrace(
+    rewards: Tensor, values: Tensor, target: Tensor, batch: ExperienceBatch, alg: AlgorithmConfig
+) -> tuple[Tensor, Tensor]:
+    """V-trace (advantages, value targets) of the batch's samples under `target` log-probs,
+    its sampler's as the behaviour, with the algorithm's gamma, lambda and truncations."""
+    return compute_vtrace(
+        rewards,
+        values,
+        target,
+        batch.behaviour_logprobs,
+        batch.response_mask,
+        gamma=alg.gamma,
+        lam=alg.lam,
+        rho_bar=alg.vtrace_rho_bar,
+        c_bar=alg.vtrace_c_bar,
+    )
 
 
 def mean_sequence_kl(kl: Tensor, mask: Tensor) -> Tensor:

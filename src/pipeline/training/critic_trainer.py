@@ -20,22 +20,21 @@ from pipeline.algorithms import (
     KLController,
     clipped_value_loss,
     compute_gae,
-    compute_vtrace,
     masked_mean,
     masked_sum,
 )
 from pipeline.errors import ConfigError
 from pipeline.models import ValueModel, load_model
-from pipeline.training.advantages import global_whiten, token_rewards
+from pipeline.training.advantages import global_whiten, token_rewards, vtrace
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint
 from pipeline.training.config import TrainerConfig
-from pipeline.training.distributed import DistInfo, all_reduce_ints, current_dist_info
+from pipeline.training.distributed import DistInfo, current_dist_info
 from pipeline.training.engine import TrainEngine, perf_metrics
 from pipeline.training.errors import BatchError
-from pipeline.training.forward import micro_values
+from pipeline.training.forward import micro_values, no_grad_plan
 from pipeline.training.metrics import MetricSums
-from pipeline.training.micro_batching import MicroBatch, plan_forward
+from pipeline.training.micro_batching import MicroBatch
 
 
 def _load_value_model(model: str | os.PathLike[str] | ValueModel) -> ValueModel:
@@ -79,17 +78,9 @@ class CriticTrainer:
     @torch.no_grad()
     def compute_values(self, batch: ExperienceBatch) -> Tensor:
         """V(prompt + response[:t]) for each response token t, (n, R) float32, 0 if masked."""
-        cfg = self.config
         out = torch.zeros(batch.num_samples, batch.max_response_len)  # (n, R)
-        plan = plan_forward(
-            batch,
-            cfg.infer_tokens,
-            padding_free=cfg.padding_free,
-            reduce=all_reduce_ints,
-            bucket=cfg.pack_bucket_tokens,
-        )
         with self.engine.compute_weights():
-            for mb in plan:
+            for mb in no_grad_plan(batch, self.config):
                 self.engine.begin_forward()
                 values, _ = micro_values(self.model, mb.to(self.info.device))
                 if mb.is_empty:
@@ -119,17 +110,7 @@ class CriticTrainer:
         coef = kl_ctrl.value if kl_ctrl is not None else alg.init_kl_coef
         rewards, kl = token_rewards(batch, alg, coef)  # (n, R)
         if alg.advantage_estimator == "vtrace" and batch.learner_logprobs is not None:
-            adv, returns = compute_vtrace(
-                rewards,
-                values,
-                batch.learner_logprobs,
-                batch.behaviour_logprobs,
-                mask,
-                gamma=alg.gamma,
-                lam=alg.lam,
-                rho_bar=alg.vtrace_rho_bar,
-                c_bar=alg.vtrace_c_bar,
-            )
+            adv, returns = vtrace(rewards, values, batch.learner_logprobs, batch, alg)
         elif alg.advantage_estimator in ("gae", "vtrace"):
             adv, returns = compute_gae(rewards, values, mask, gamma=alg.gamma, lam=alg.lam)
         else:

@@ -87,6 +87,18 @@ def masked_fill_zero(t: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
+def no_grad_plan(batch: ExperienceBatch, config: TrainerConfig) -> list[MicroBatch]:
+    """The micro-batches of a no-grad forward over the batch (log-probs, values): the
+    inference token budget, the same count on every rank."""
+    return plan_forward(
+        batch,
+        config.infer_tokens,
+        padding_free=config.padding_free,
+        reduce=all_reduce_ints,
+        bucket=config.pack_bucket_tokens,
+    )
+
+
 def response_logprobs(
     model: CausalLM,
     batch: ExperienceBatch,
@@ -98,14 +110,7 @@ def response_logprobs(
     masked: the proximal (current policy) and reference forwards. `before_each` runs
     before each micro-batch (a CUDA-graph step mark)."""
     out = torch.zeros(batch.num_samples, batch.max_response_len)  # (n, R)
-    plan = plan_forward(
-        batch,
-        config.infer_tokens,
-        padding_free=config.padding_free,
-        reduce=all_reduce_ints,
-        bucket=config.pack_bucket_tokens,
-    )
-    for mb in plan:
+    for mb in no_grad_plan(batch, config):
         if before_each is not None:
             before_each()
         logp, _, _ = micro_logprobs(

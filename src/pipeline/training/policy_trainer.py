@@ -29,13 +29,12 @@ from torch import Tensor
 
 from pipeline.algorithms import (
     AlgorithmConfig,
-    compute_vtrace,
     masked_sum,
     truncated_is_weights,
 )
 from pipeline.errors import ConfigError
 from pipeline.models import CausalLM, load_model
-from pipeline.training.advantages import global_whiten, group_advantages
+from pipeline.training.advantages import global_whiten, group_advantages, vtrace
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint
 from pipeline.training.config import TrainerConfig
@@ -288,17 +287,7 @@ class PolicyTrainer:
         alg = self.algorithm
         assert batch.values is not None and batch.rewards is not None
         mask = batch.response_mask
-        adv, _ = compute_vtrace(
-            batch.rewards,
-            batch.values,
-            target,
-            batch.behaviour_logprobs,
-            mask,
-            gamma=alg.gamma,
-            lam=alg.lam,
-            rho_bar=alg.vtrace_rho_bar,
-            c_bar=alg.vtrace_c_bar,
-        )
+        adv, _ = vtrace(batch.rewards, batch.values, target, batch, alg)
         log_ratio = target - batch.behaviour_logprobs
         truncated = mask & (log_ratio > math.log(alg.vtrace_rho_bar) + _VTRACE_TRUNCATION_TOL)
         sums.add("vtrace/truncated_tokens", float(truncated.sum()))

@@ -59,9 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         from pipeline.errors import ConfigError
+        from pipeline.runtime.cli_args import service_args
 
-        module = importlib.import_module(f"services.{argv[1]}")
         try:
+            _, config = service_args(argv[1], argv[2:])
+            module = importlib.import_module(config.service_module(argv[1]))
             return int(module.main(argv[2:]))
         except ConfigError as exc:
             print(f"pipeline service {argv[1]}: error: {exc}", file=sys.stderr)

@@ -30,15 +30,14 @@ def prepare_task(config: PipelineConfig, run_dir: Path) -> Task:
     made = directory / ".made"
     if not config.model.path and not made.exists():
         save_char_tokenizer(directory)
-        if not config.run.standin:
-            from pipeline.tiny_model import make_tiny_model
+        from pipeline.tiny_model import make_tiny_model
 
-            make_tiny_model(
-                directory,
-                vocab_size=len(load_tokenizer(directory)),
-                seed=config.run.seed,
-                warm_start_steps=config.task.warm_start_steps,
-            )
+        make_tiny_model(
+            directory,
+            vocab_size=len(load_tokenizer(directory)),
+            seed=config.run.seed,
+            warm_start_steps=config.task.warm_start_steps,
+        )
         made.touch()
     elif config.model.path and not directory.exists():
         raise ConfigError(

@@ -10,24 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from pipeline import codec
 from pipeline.messages import Experience, RankCommand, RankOp
 from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
-from pipeline.samples import GroupArrays, read_group, write_group
-
-
-def group_baseline(group: GroupArrays) -> None:
-    """Stand-in advantages (run.standin): score minus the group mean."""
-    scores = np.array([s.score for s in group.samples], np.float32)
-    baseline = scores.mean() if len(scores) else 0.0
-    for sample, score in zip(group.samples, scores, strict=True):
-        n = len(sample.response_ids)
-        sample.extra["values"] = np.zeros(n, np.float32)
-        sample.extra["advantages"] = np.full(n, score - baseline, np.float32)
-        sample.extra["returns"] = np.full(n, score, np.float32)
+from pipeline.samples import read_group, write_group
 
 
 class CriticService(Service):
@@ -42,13 +29,10 @@ class CriticService(Service):
         return CriticWorker(ctx)
 
     async def setup(self) -> None:
-        self.worker: Any = None
-        self.thread = TrainerThread("critic", self.ctx.ranks)
-        if self.config.run.standin:
-            return
         from pipeline.critic_worker import CriticWorker
         from pipeline.training import latest_step
 
+        self.thread = TrainerThread("critic", self.ctx.ranks)
         self.worker = CriticWorker(self.ctx)
         resume = latest_step(self.worker.checkpoints)
         step = -1 if resume is None else resume
@@ -57,18 +41,21 @@ class CriticService(Service):
         )
 
     async def teardown(self) -> None:
-        if self.worker is not None and self.worker.trainer is not None:
+        if not hasattr(self, "worker"):
+            return  # setup did not get that far
+        if self.worker.trainer is not None:
             await self.thread.run(self.worker.save_last, command=RankCommand(op=RankOp.CLOSE))
         self.thread.close()
 
     async def handle(self, message: codec.Message) -> list[Output]:
         group = read_group(message)
-        if self.worker is None:
-            group_baseline(group)
-        else:
-            command = RankCommand(op=RankOp.ANNOTATE, groups=encode_groups([group]))
-            await self.thread.run(self.worker.annotate, group, command=command)
+        command = RankCommand(op=RankOp.ANNOTATE, groups=encode_groups([group]))
+        await self.thread.run(self.worker.annotate, group, command=command)
         return [write_group(group, Experience)]
+
+
+# what `pipeline replay` and subclasses in other modules find here
+SERVICE = CriticService
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,6 @@ The order of a step is train, checkpoint (with the step's report), publish, repo
 A learner killed after the checkpoint resumes with weights that include the step: it
 acknowledges the step's groups when they are delivered again instead of training them a
 second time, and reports the step again (the controller ignores a step it already has).
-
-Test hook: `PIPELINE_LEARNER_TEST_HOLD="checkpointed@2,reported@4"` parks the learner at
-that point of that step (after the checkpoint; after the report, before the acks) so a
-test can SIGKILL it there. Unset, it costs nothing.
 """
 
 from __future__ import annotations
@@ -38,19 +34,6 @@ from pipeline.step_reports import StepReports
 from pipeline.trainer_setup import group_stats
 from pipeline.transport import Delivery
 from pipeline.transport.channel import cancel_and_wait
-
-HOLD_ENV = "PIPELINE_LEARNER_TEST_HOLD"
-
-
-def hold_points(spec: str) -> set[tuple[str, int]]:
-    """`point@step,...` -> {(point, step)}: where the test hook parks the learner."""
-    holds = set()
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        point, _, step = item.partition("@")
-        if point not in ("checkpointed", "reported") or not step.isdigit():
-            raise ValueError(f"{HOLD_ENV}: {item!r} is not checkpointed@<step> or reported@<step>")
-        holds.add((point, int(step)))
-    return holds
 
 
 def staleness(group: GroupArrays, version: int) -> int:
@@ -95,12 +78,9 @@ class LearnerService(Service):
         self.last_step: TrainedStep | None = None
         # queue uids of the groups the resumed checkpoint's weights already include
         self.settled: frozenset[str] = frozenset()
-        self._holds = hold_points(os.environ.get(HOLD_ENV, ""))
         if self.ctx.control is not None:  # not when replaying
             self.reports = StepReports(self.ctx.control)
             self._watch = asyncio.create_task(self.reports.watch())
-        if self.config.run.standin:
-            return
         known = self.ctx.policy_version  # the controller's: steps reported so far
         await self._build()
         if self.last_step is not None and self.reports is not None:
@@ -266,7 +246,6 @@ class LearnerService(Service):
                 wall = time.time()
                 await self._checkpoint(TrainedStep(done, [d.uid for d, _ in fresh]))
                 self.span("checkpoint", wall, time.time(), step=self.step)
-            await self._hold("checkpointed", self.step)
             self.step += 1
             self.version += 1
             if self.weights is not None:
@@ -277,7 +256,6 @@ class LearnerService(Service):
             self._note_reported(done.step, [d.uid for d, _ in fresh])
             await self.reports.step_done(msgspec.structs.replace(done, metrics=metrics))
             await self.report(self.step - 1, metrics)
-            await self._hold("reported", self.step - 1)
             for delivery, _ in fresh:
                 delivery.ack()
 
@@ -306,12 +284,6 @@ class LearnerService(Service):
         extra = {} if self.last_step is None else {"trained_step": self.last_step.to_json()}
         command = RankCommand(op=op, text=json.dumps(extra))
         await self.thread.run(save, extra, command=command)
-
-    async def _hold(self, point: str, step: int) -> None:
-        """The test hook (module docstring): park here until killed."""
-        if (point, step) in self._holds:
-            self.log.warning("held_for_test", point=point, step=step, pid=os.getpid())
-            await asyncio.Event().wait()
 
     async def replay(self, messages: list[codec.Message], run_dir: Path) -> list[Output]:
         """Re-run the recorded run's learner exactly: the same groups at the same steps.
@@ -352,6 +324,10 @@ class LearnerService(Service):
             if self.worker.trainer.step > 0:
                 self.log.info("saved", step=self.worker.trainer.step)
         self.thread.close()
+
+
+# what `pipeline replay` and subclasses in other modules find here
+SERVICE = LearnerService
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,10 @@ class ReferenceService(Service):
             self.thread.close()
 
 
+# what `pipeline replay` and subclasses in other modules find here
+SERVICE = ReferenceService
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.runtime.cli_args import run_service
 

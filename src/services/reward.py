@@ -50,6 +50,10 @@ class RewardService(Service):
             self.scorer.close()
 
 
+# what `pipeline replay` and subclasses in other modules find here
+SERVICE = RewardService
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.runtime.cli_args import run_service
 

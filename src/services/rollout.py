@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import numpy as np
-
 from pipeline import codec
 from pipeline.messages import Prompt, Rollout
 from pipeline.runtime.service import Output, Service
-from pipeline.samples import GroupArrays, SampleArrays, write_group
+from pipeline.samples import GroupArrays, write_group
 
 
 def prompts_in_flight(config: Any) -> int:
@@ -29,38 +27,16 @@ class RolloutService(Service):
 
     async def setup(self) -> None:
         self.concurrency = prompts_in_flight(self.config)
-        self.engine: Any = None
-        self.receiver: Any = None
-        if not self.config.run.standin:
-            from pipeline.rollout_worker import start_engine
-            from pipeline.weight_link import start_receiver
+        from pipeline.rollout_worker import start_engine
+        from pipeline.weight_link import start_receiver
 
-            self.engine = await start_engine(self.ctx)
-            self.receiver = start_receiver(self.ctx, self.engine)
-
-    def standin(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:
-        """Until an engine is configured: a fixed completion per prompt (its own ids)."""
-        tail = prompt_ids[-min(len(prompt_ids), max(1, prompt.max_new_tokens)) :]
-        version = self.ctx.control.policy_version if self.ctx.control else 0
-        return [
-            SampleArrays(
-                uid=f"{prompt.uid}/{i}",
-                response_ids=tail.astype(np.int32),
-                behaviour_logprobs=np.zeros(len(tail), np.float32),
-                token_versions=np.full(len(tail), max(0, version), np.int32),
-                finish_reason="length",
-                response_text=prompt.ground_truth[::-1],
-            )
-            for i in range(prompt.n_samples)
-        ]
+        self.engine: Any = await start_engine(self.ctx)
+        self.receiver: Any = start_receiver(self.ctx, self.engine)
 
     async def handle(self, message: codec.Message) -> list[Output]:
         prompt: Prompt = message.body
         prompt_ids = message.tensor(prompt.prompt_ids)
-        if self.engine is None:
-            samples = self.standin(prompt, prompt_ids)
-        else:
-            samples = await self.engine.generate(prompt, prompt_ids)
+        samples = await self.engine.generate(prompt, prompt_ids)
         group = GroupArrays(
             uid=prompt.uid,
             prompt_ids=prompt_ids,
@@ -76,6 +52,10 @@ class RolloutService(Service):
             await asyncio.to_thread(self.receiver.stop)
         if self.engine is not None:
             await self.engine.close()
+
+
+# what `pipeline replay` and subclasses in other modules find here
+SERVICE = RolloutService
 
 
 def main(argv: list[str] | None = None) -> int:

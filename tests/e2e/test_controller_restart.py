@@ -33,7 +33,7 @@ def _overrides(runs: Path) -> dict[str, str]:
     return {
         "run.name": "ctl",
         "run.runs_dir": str(runs),
-        "run.standin": "true",
+        "task.warm_start_steps": "0",  # only this test's own stand-ins run
         "controller.steps": str(STEPS),
         "controller.prompts_per_step": str(PER_STEP),
         "controller.max_staleness": "1",

@@ -56,6 +56,8 @@ def _run_command(runs: Path, name: str, *extra: str) -> list[str]:
         "--services.reward.replicas", "1",
         "--task.warm_start_steps", "0",
         "--learner.trainer.total_steps", str(STEPS),
+        # the learner, parked where the test kills it (tests/standin/held_learner.py)
+        "--services.learner.module", "tests.standin.held_learner",
         *extra,
     ]  # fmt: skip
 
@@ -76,7 +78,7 @@ def test_a_learner_killed_after_its_checkpoint_trains_no_sample_twice(tmp_path, 
         cwd=REPO,
         stdout=out,
         stderr=subprocess.STDOUT,
-        env={"PIPELINE_LEARNER_TEST_HOLD": hold},
+        env={"HELD_LEARNER": hold},
     )
     run_dir = runs / "lrn"
     learner_log = run_dir / "logs" / "learner-0.log"
@@ -164,7 +166,7 @@ def test_a_learner_resumed_behind_its_reports_goes_on_numbering_from_the_control
         cwd=REPO,
         stdout=out,
         stderr=subprocess.STDOUT,
-        env={"PIPELINE_LEARNER_TEST_HOLD": "reported@4"},
+        env={"HELD_LEARNER": "reported@4"},
     )
     run_dir = runs / "behind"
     learner_log = run_dir / "logs" / "learner-0.log"

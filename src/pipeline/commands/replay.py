@@ -21,18 +21,10 @@ from pipeline.recording import QueueReader, QueueRecorder, queue_path
 from pipeline.runtime import layout
 from pipeline.runtime.service import ServiceContext
 
-SERVICE_CLASSES = {
-    "rollout": "services.rollout:RolloutService",
-    "reward": "services.reward:RewardService",
-    "critic": "services.critic:CriticService",
-    "learner": "services.learner:LearnerService",
-    "reference": "services.reference:ReferenceService",
-}
 
-
-def load_service_class(role: str) -> Any:
-    module, name = SERVICE_CLASSES[role].split(":")
-    return getattr(importlib.import_module(module), name)
+def load_service_class(config: Any, role: str) -> Any:
+    """The Service class of `role` in this run: its module's `SERVICE`."""
+    return importlib.import_module(config.service_module(role)).SERVICE
 
 
 async def replay(run_dir: Path, role: str, out_dir: Path) -> dict[str, Any]:
@@ -53,7 +45,7 @@ async def replay(run_dir: Path, role: str, out_dir: Path) -> dict[str, Any]:
     messages = [codec.decode(r.frames) for r in reader]
     ctx = ServiceContext(config=config, role=role, replica=0, run_id=run_id, run_dir=out_dir)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
-    service = load_service_class(role)(ctx)
+    service = load_service_class(config, role)(ctx)
     recorder = (
         QueueRecorder(queue_path(out_dir, out_queue), queue=out_queue, run_id=run_id)
         if out_queue

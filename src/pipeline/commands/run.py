@@ -27,7 +27,7 @@ def run_command(args: argparse.Namespace, rest: list[str]) -> int:
     name = args.name or f"{base.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides["run.name"] = name
     config = load_config(profile, overrides)
-    if not config.model.path and not config.run.standin and config.task.warm_start_steps > 0:
+    if not config.model.path and config.task.warm_start_steps > 0:
         print(
             f"note: the generated tiny model gets a supervised warm start of "
             f"{config.task.warm_start_steps} steps of copying digits before RL "

@@ -28,8 +28,6 @@ class RunConfig:
     host: str = "127.0.0.1"
     controller_port: int = 0
     handshake_timeout_s: float = 20.0
-    # stand-in services: fixed completions and no training (tests the plumbing alone)
-    standin: bool = False
     # torch threads per service process (several services share a CPU host)
     torch_threads: int = 1
     # CURVE keys made by `pipeline keys DIR`: every non-loopback socket is authenticated
@@ -72,10 +70,19 @@ class PlacementConfig:
     devices_per_replica: int = 0
     fsdp_size: int = 1
     tp: int = 1
+    # the `python -m` module that serves this role: empty for the project's own
+    # (services.<role>); yours subclasses that service and ends with `SERVICE = YourClass`
+    # and the same main() (pipeline.runtime.cli_args.run_service)
+    module: str = ""
 
     def validate(self) -> None:
         if self.replicas < 0:
             raise ConfigError("services.*.replicas must be >= 0")
+        if self.module and not all(part.isidentifier() for part in self.module.split(".")):
+            raise ConfigError(
+                f"services.*.module = {self.module!r} is not a dotted module name "
+                "(e.g. mypackage.my_rollout)"
+            )
         if self.tp < 1 or self.fsdp_size < 1:
             raise ConfigError("services.*.tp and fsdp_size must be >= 1")
 
@@ -417,6 +424,11 @@ class PipelineConfig:
         # one replica moves, not the role: the role's device total is not checked here
         config._validate_security()
         return config
+
+    def service_module(self, role: str) -> str:
+        """The module `python -m` runs for one replica of `role`."""
+        placement = self.services.get(role)
+        return (placement.module if placement else "") or f"services.{role}"
 
     def replicas(self, role: str) -> int:
         placement = self.services.get(role)

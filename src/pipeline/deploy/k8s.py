@@ -86,7 +86,7 @@ def _command(plan: DeployPlan, launch: Launch) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{launch.rdzv_port}",
             "-m",
-            f"services.{launch.role}",
+            plan.config.service_module(launch.role),
         ]
     else:
         command = ["pipeline", "service", launch.role]

@@ -89,7 +89,7 @@ def _srun(plan: DeployPlan, launch: Launch) -> str:
             f'--rdzv-endpoint="${_host_var(pool.group)}:{launch.rdzv_port}"',
             f'--rdzv-id="$SLURM_JOB_ID-{launch.role}-{launch.replica}"',
             "-m",
-            f"services.{launch.role}",
+            plan.config.service_module(launch.role),
         ]
     else:
         words += ["pipeline", "service", launch.role]

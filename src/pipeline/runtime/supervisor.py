@@ -222,7 +222,7 @@ def trainer_ranks(config: PipelineConfig, role: str) -> int:
 def launcher_args(config: PipelineConfig, role: str) -> list[str]:
     """What follows `python -m` to start one replica of `role` on this host: its service
     module, under torchrun when it is a trainer sharded over fsdp_size ranks."""
-    module = f"services.{role}"
+    module = config.service_module(role)
     ranks = trainer_ranks(config, role)
     if ranks <= 1:
         return [module]

@@ -74,3 +74,16 @@ async def test_a_train_step_reaches_the_policy_loss_within_seven_frames(tmp_path
 
 def _this() -> str:
     return "test_a_train_step_reaches_the_policy_loss_within_seven_frames"
+
+
+def test_the_critic_and_reference_import_nothing_of_the_learners_service_code():
+    import subprocess
+
+    code = (
+        "import sys, services.critic, services.reference, pipeline.critic_worker;"
+        "print([m for m in sys.modules if m in ('services.learner', 'pipeline.learner_worker')])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -20,7 +20,13 @@ from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp
 from pipeline.runtime.ranks import decode_groups
 from pipeline.samples import GroupArrays
-from pipeline.trainer_setup import batch_from_groups, reference_config
+from pipeline.trainer_setup import (
+    batch_from_groups,
+    compile_counts,
+    compiles,
+    reference_config,
+    warm_up_batches,
+)
 
 ANNOTATED = ("values", "advantages", "returns", "rewards")
 # what a group carries on from the critic's own metrics (GroupArrays.stats)
@@ -45,6 +51,7 @@ class CriticWorker:
         self.trainer: Any = None
         self.reference: Any = None
         self.kl_ctrl: Any = None
+        self._frames = 0.0  # frames compiled by the end of the warm-up
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""
@@ -81,6 +88,8 @@ class CriticWorker:
             self.reference = ReferencePolicy(str(directory), ref, dist=self.trainer.info)
         self.kl_ctrl = make_kl_controller(self.config.algorithm)
         log_sharding(self.log, self.trainer)
+        self._warm_up()
+        self._frames = compile_counts()["compile/frames"]
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)
             self.steps = int(loaded.extra.get("steps", loaded.step))
@@ -88,6 +97,18 @@ class CriticWorker:
             self.last_update = dict(loaded.extra.get("last_update", {}))
             if self.trainer.info.rank == 0:
                 self.log.info("resumed", step=self.steps, kl_coef=self.kl_ctrl.value)
+
+    def _warm_up(self) -> None:
+        """Compile the value model's and the reference's paths now, before the first group
+        (every service warms up at once instead of one after the other)."""
+        batches = None
+        seconds = 0.0
+        for part in (self.trainer, self.reference):
+            if part is not None and compiles(part.config):
+                batches = batches or warm_up_batches(self.config, part.model.config.vocab_size)
+                seconds += part.warm_up(batches)
+        if batches is not None:
+            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts())
 
     def annotate(self, group: GroupArrays) -> None:
         """Values, token rewards, advantages, returns (and reference log-probs when hosted
@@ -114,6 +135,8 @@ class CriticWorker:
             for uid, array in zip(batch.uids, batch.unpad(name), strict=True):
                 by_uid[uid].extra[name] = np.asarray(array, np.float32)
         group.stats.update({k: float(metrics[k]) for k in _GROUP_STATS if k in metrics})
+        frames = compile_counts()["compile/frames"]
+        group.stats["critic/recompiles"] = frames - self._frames
         group.stats.update(self.last_update)
         self._seen.append(group)
         if len(self._seen) >= self.config.controller.prompts_per_step:

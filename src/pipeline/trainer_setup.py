@@ -34,6 +34,62 @@ def reference_config(config: PipelineConfig, device: str) -> TrainerConfig:
     return dataclasses.replace(policy_config(config), device=device, keep_reference=False)
 
 
+def compile_counts() -> dict[str, float]:
+    """What torch.compile did in this process so far: frames compiled (a recompile is a
+    frame compiled again) and graphs made; in every step's metrics, so that a compile
+    after the warm-up shows."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "compile/frames": float(counters["frames"]["ok"]),
+        "compile/graphs": float(counters["stats"]["unique_graphs"]),
+    }
+
+
+def compiles(trainer: TrainerConfig) -> bool:
+    """Whether a trainer compiles or captures anything its first step would wait for."""
+    return trainer.compile or trainer.compile_loss or trainer.trunk_graphs
+
+
+def warm_up_batches(config: PipelineConfig, vocab_size: int) -> list[ExperienceBatch]:
+    """Two batches of the run's lengths: one whose sequences all have the longest
+    prompt and response (the packed micro-batch attends as rows), one of mixed lengths
+    (varlen); with every per-token field a trainer may read, so that every estimator's
+    path runs. Two groups of `n_samples` (no size 0 or 1, which the compiler special-
+    cases)."""
+    import torch
+
+    from pipeline.training import ExperienceBatch
+
+    prompt, response = config.task.max_prompt_tokens, config.rollout.max_new_tokens
+    n = 2 * max(2, config.rollout.n_samples)
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for lengths in (
+        [(prompt, response)] * n,
+        [(max(1, prompt - 3 * i), max(2, response - 5 * i)) for i in range(n)],
+    ):
+        prompts = [torch.randint(vocab_size, (p,), generator=generator) for p, _ in lengths]
+        responses = [torch.randint(vocab_size, (r,), generator=generator) for _, r in lengths]
+        zeros = [torch.zeros(r) for _, r in lengths]
+        batches.append(
+            ExperienceBatch.from_lists(
+                prompts,
+                responses,
+                [z - 1.0 for z in zeros],
+                [float(i % 2) for i in range(n)],
+                uids=[f"warmup-{i // 2}/{i % 2}" for i in range(n)],
+                token_versions=[z.long() for z in zeros],
+                ref_logprobs=[z - 1.0 for z in zeros],
+                values=zeros,
+                advantages=zeros,
+                returns=zeros,
+                rewards=zeros,
+            )
+        )
+    return batches
+
+
 def batch_from_groups(groups: list[GroupArrays]) -> ExperienceBatch:
     """The samples of groups as an ExperienceBatch, in a fixed (uid) order, with every
     per-token field that all samples carry."""

@@ -18,7 +18,13 @@ from pipeline.messages import Scored
 from pipeline.runtime.ranks import TrainerThread
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group, write_group
-from pipeline.trainer_setup import batch_from_groups, reference_config
+from pipeline.trainer_setup import (
+    batch_from_groups,
+    compile_counts,
+    compiles,
+    reference_config,
+    warm_up_batches,
+)
 
 
 class ReferenceService(Service):
@@ -37,7 +43,12 @@ class ReferenceService(Service):
 
         torch.set_num_threads(max(1, self.config.run.torch_threads))
         directory = model_dir(self.config, Path(self.ctx.run_dir))
-        return ReferencePolicy(str(directory), reference_config(self.config, "auto"))
+        reference = ReferencePolicy(str(directory), reference_config(self.config, "auto"))
+        if compiles(reference.config):  # now, before the first group
+            batches = warm_up_batches(self.config, reference.model.config.vocab_size)
+            seconds = reference.warm_up(batches)
+            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts())
+        return reference
 
     def _annotate(self, group: GroupArrays) -> None:
         batch = batch_from_groups([group])

@@ -510,6 +510,29 @@ def case_critic_kill_and_resume(tmp_path: Path) -> None:
     assert _critic_checkpoint(run)["extra"]["steps"] == after[-1]["step"]
 
 
+def case_compiled_without_recompiles(tmp_path: Path) -> None:
+    """Learner and critic compiled (aot_eager: dynamo's frames and guards without kernels),
+    warmed up at start: the toy task's responses end at EOS, so every step packs other
+    lengths, and none recompiles."""
+    compiled = {
+        f"{role}.trainer.{key}": value
+        for role in ("learner", "critic")
+        for key, value in (
+            ("compile", "true"),
+            ("compile_backend", "aot_eager"),
+            ("compile_scope", "blocks"),
+            ("padding_free", "true"),
+        )
+    }
+    run = run_pipeline(tmp_path, PPO, {**compiled, "controller.steps": "8"})
+    assert run.events("learner-0", "warmed_up") and run.events("critic-0", "warmed_up")
+    lengths = {round(s["response_len_mean"], 3) for s in run.steps}
+    assert len(lengths) > 3, lengths  # the lengths did vary
+    assert all(s["compile/frames"] > 0 for s in run.steps)
+    assert all(s["compile/recompiles"] == 0 for s in run.steps), run.series("compile/recompiles")
+    assert all(s["critic/recompiles"] == 0 for s in run.steps)
+
+
 CASES: dict[str, Callable[..., None]] = {
     name[len("case_") :]: fn for name, fn in dict(globals()).items() if name.startswith("case_")
 }
@@ -545,4 +568,4 @@ def test_feature_slow(tmp_path: Path, case: str, kwargs: dict[str, Any]) -> None
 
 def test_every_case_is_collected_once() -> None:
     ids = [p.id for p in _params(True) + _params(False)]
-    assert len(ids) == len(set(ids)) == 23
+    assert len(ids) == len(set(ids)) == 24

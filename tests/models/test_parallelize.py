@@ -62,9 +62,10 @@ def _worker(rank: int, init_file: str, compile_blocks: bool) -> None:
             param_dtype=torch.float32,
             reduce_dtype=torch.float32,
             activation_checkpointing=True,
-            compile=compile_blocks,
             # an inductor option reaches each block's compilation (a no-op on CPU)
-            compile_options={"triton.mix_order_reduction": False} if compile_blocks else None,
+            compile_kwargs={"options": {"triton.mix_order_reduction": False}}
+            if compile_blocks
+            else None,
         )
         names = sorted(n for n, _ in model.named_parameters())
         assert names == sorted(n for n, _ in reference.named_parameters()), names

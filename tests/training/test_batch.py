@@ -56,4 +56,4 @@ def test_malformed_batches_are_refused_with_the_reason():
     with pytest.raises(BatchError, match="empty prompts"):
         ExperienceBatch.from_lists([[]], [[2]], [[-0.1]], [0.0])
     with pytest.raises(BatchError, match="unknown per-token"):
-        ExperienceBatch.from_lists([[1]], [[2]], [[-0.1]], [0.0], rewards=[[1.0]])
+        ExperienceBatch.from_lists([[1]], [[2]], [[-0.1]], [0.0], bogus=[[1.0]])

@@ -404,16 +404,25 @@ def test_compile_modes_and_which_replay_cuda_graphs():
 
 
 def test_compile_options_join_the_mode_and_bad_ones_fail_when_the_config_is_built():
+    # sizes are symbolic from the first compile (compile_dynamic, on by default)
     assert CONFIG.replace(compile_mode="reduce-overhead").compile_kwargs() == {
-        "mode": "reduce-overhead"
+        "mode": "reduce-overhead",
+        "dynamic": True,
     }
     options = {"triton.mix_order_reduction": False, "triton.enable_pdl": True}
     kwargs = CONFIG.replace(
         compile_mode="reduce-overhead", compile_options=options
     ).compile_kwargs()
     # torch.compile takes a mode or options: the mode's own options come along
-    assert kwargs == {"options": {"triton.cudagraphs": True, **options}}
-    assert CONFIG.replace(compile_options=options).compile_kwargs() == {"options": options}
+    assert kwargs == {"options": {"triton.cudagraphs": True, **options}, "dynamic": True}
+    static = CONFIG.replace(compile_options=options, compile_dynamic=False)
+    assert static.compile_kwargs() == {"options": options, "dynamic": None}
+    assert CONFIG.replace(compile_backend="aot_eager").compile_kwargs() == {
+        "backend": "aot_eager",
+        "dynamic": True,
+    }
+    with pytest.raises(ConfigError, match="configure inductor"):
+        CONFIG.replace(compile_backend="aot_eager", compile_mode="reduce-overhead")
     with pytest.raises(ConfigError, match=r"'triton\.mix_order' is not an inductor option"):
         CONFIG.replace(compile_options={"triton.mix_order": False})
     with pytest.raises(ConfigError, match=r"triton\.enable_pdl takes a bool"):

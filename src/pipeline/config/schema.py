@@ -30,6 +30,11 @@ class RunConfig:
     handshake_timeout_s: float = 20.0
     # torch threads per service process (several services share a CPU host)
     torch_threads: int = 1
+    # where torch.compile keeps what it compiled (inductor's and Triton's caches, under
+    # inductor/ and triton/): a later run on this machine reuses it and starts in a fraction
+    # of the time; empty: torch's defaults in the system temp directory. The variables
+    # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR, when set, win
+    compile_cache_dir: str = "~/.cache/asyncrl"
     # CURVE keys made by `pipeline keys DIR`: every non-loopback socket is authenticated
     # and encrypted with them; binding a non-loopback address without keys is refused
     keys_dir: str = ""

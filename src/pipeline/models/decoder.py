@@ -176,11 +176,13 @@ class DecoderBase(nn.Module):
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"packed input_ids must be (1, total), got {tuple(input_ids.shape)}")
         total = input_ids.shape[1]
-        if uniform and self.uniform_attention and max_seqlen and total % max_seqlen == 0:
+        # one sequence takes the varlen path: a compiled trunk would specialise on 1 row
+        rows = total // max_seqlen if uniform and max_seqlen and total % max_seqlen == 0 else 0
+        if self.uniform_attention and rows > 1:
             # probed in bfloat16; used where the activations are half precision
             head_dim = self.config.head_dim
             cudnn = cudnn_rows_supported(input_ids.device, torch.bfloat16, head_dim)
-            spec = AttentionSpec(rows=total // max_seqlen, cudnn=cudnn)
+            spec = AttentionSpec(rows=rows, cudnn=cudnn)
             return self.model(input_ids, position_ids, spec, embeds)
         cu = cu_seqlens.to(input_ids.device)
         if varlen_supported(input_ids.device):

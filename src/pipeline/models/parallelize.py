@@ -34,16 +34,15 @@ def parallelize(
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool = False,
-    compile: bool = False,
-    compile_options: Mapping[str, Any] | None = None,
+    compile_kwargs: Mapping[str, Any] | None = None,
     reshard_after_forward: bool = True,
 ) -> DecoderBase:
     """Shard `model` in place with fully_shard and return it.
 
     mesh None lets FSDP build a 1-D mesh over the default process group. Blocks reshard
     after forward (ZeRO-3); the root does not, since its parameters (embeddings, lm_head)
-    are needed again right at the start of backward. `compile_options`: inductor options
-    of each block's compilation.
+    are needed again right at the start of backward. `compile_kwargs`: each block is
+    compiled with these (`Module.compile`'s keywords), None: not compiled.
     """
     if mesh is not None and mesh.ndim != 1:
         raise ConfigError(f"parallelize expects a 1-D data-parallel mesh, got {mesh.ndim}-D")
@@ -51,8 +50,8 @@ def parallelize(
     layers = model.model.layers
     for block in layers:
         block.activation_checkpointing = activation_checkpointing
-        if compile:
-            block.compile(options=dict(compile_options) if compile_options else None)
+        if compile_kwargs is not None:
+            block.compile(**compile_kwargs)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     for name in FSDP_METHODS:

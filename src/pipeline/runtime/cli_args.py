@@ -50,6 +50,7 @@ def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
 
     args, config = service_args(role, argv)
     pin_devices(config, role, args.replica)
+    compile_caches(config)
     link = ranks.join(config, role, args.replica)
     if link is not None and not link.is_leader:
         released = follow(
@@ -86,6 +87,17 @@ def _exit(code: int, ranks: Any = None) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def compile_caches(config: PipelineConfig) -> None:
+    """Point torch.compile's caches at `run.compile_cache_dir` (before anything compiles),
+    unless the environment already says where they go."""
+    root = config.run.compile_cache_dir
+    if not root:
+        return
+    base = os.path.expanduser(root)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(base, "triton"))
 
 
 def pin_devices(config: PipelineConfig, role: str, replica: int) -> None:

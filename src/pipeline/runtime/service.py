@@ -280,7 +280,11 @@ async def serve(
     log.info("service_starting", input=in_queue, output=out_queue)
     stats_task = asyncio.create_task(_log_stats(ctx, service))
     try:
+        started = time.time()
         await service.setup()
+        # models loaded and warmed up: what a cold start waits for (bench/cold_start)
+        log.info("service_ready", setup_s=round(time.time() - started, 3))
+        service.metrics.write({"kind": "ready", "start": started, "end": time.time()})
         main = asyncio.create_task(service.run())
         await _wait_stop(ctx, main)
     except Exception:

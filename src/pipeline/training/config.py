@@ -93,6 +93,17 @@ class TrainerConfig:
     # graphs, and inductor benchmarks Triton GEMM templates against cuBLAS per shape at
     # compile time: minutes more of compilation)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    # what one compiled region is in a single process: "trunk" (embeddings, every block and
+    # the final norm: one graph, least host work per call) or "blocks" (each decoder block:
+    # one block's code is traced and compiled once and serves every layer, so a cold start
+    # compiles 1/num_layers of the trunk). A sharded trainer always compiles blocks
+    compile_scope: Literal["trunk", "blocks"] = "trunk"
+    # symbolic sizes from the first compile (packed token count, number of sequences, the
+    # longest sequence): micro-batches of new lengths never recompile mid-run
+    compile_dynamic: bool = True
+    # torch.compile's backend: "inductor" (Triton/C++ kernels), or "aot_eager" to check
+    # what compiles without generating kernels (debugging, the CPU tests)
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     # the micro-batch's policy loss and metrics (training/loss_terms.py) as one compiled
     # function, dynamic shapes: a few fused kernels each way instead of ~190 small ones
     compile_loss: bool = False
@@ -196,6 +207,17 @@ class TrainerConfig:
             raise ConfigError(
                 f"set {_SECTION}.exp_avg_dtype to float32 or bfloat16 (got {self.exp_avg_dtype!r})"
             )
+        if self.compile_scope not in ("trunk", "blocks"):
+            raise ConfigError(f"set {_SECTION}.compile_scope to trunk or blocks")
+        if self.compile_backend not in ("inductor", "aot_eager", "eager"):
+            raise ConfigError(f"set {_SECTION}.compile_backend to inductor, aot_eager or eager")
+        if self.compile_backend != "inductor" and (
+            self.compile_mode != "default" or self.compile_options
+        ):
+            raise ConfigError(
+                f"{_SECTION}.compile_mode and compile_options configure inductor; with "
+                f"compile_backend = {self.compile_backend!r} leave them at their defaults"
+            )
         if self.compile_mode not in ("default", "reduce-overhead", "max-autotune"):
             raise ConfigError(
                 f"set {_SECTION}.compile_mode to default, reduce-overhead or max-autotune "
@@ -233,14 +255,18 @@ class TrainerConfig:
             )
 
     def compile_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `Module.compile` for the trunk: the mode alone, or with
-        `compile_options` the mode's inductor options and these (torch takes one or the
-        other)."""
+        """Keyword arguments of `Module.compile` for a compiled region: the backend, dynamic
+        sizes, and inductor's mode alone or, with `compile_options`, the mode's inductor
+        options and these (torch takes one or the other)."""
+        common: dict[str, Any] = {"dynamic": True if self.compile_dynamic else None}
+        if self.compile_backend != "inductor":
+            return {"backend": self.compile_backend, **common}
         if not self.compile_options:
-            return {"mode": self.compile_mode}
+            return {"mode": self.compile_mode, **common}
         from torch._inductor import list_mode_options
 
-        return {"options": {**list_mode_options(self.compile_mode), **self.compile_options}}
+        options = {**list_mode_options(self.compile_mode), **self.compile_options}
+        return {"options": options, **common}
 
     @property
     def cuda_graphs(self) -> bool:

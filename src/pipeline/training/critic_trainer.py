@@ -164,6 +164,20 @@ class CriticTrainer:
         )
         return out, metrics
 
+    def warm_up(self, batches: list[ExperienceBatch]) -> float:
+        """Compile and capture what the critic runs (values without grad, a value update)
+        on each batch, with every sample's first return NaN so that no update is applied
+        (each mini-batch's loss is non-finite); counters and RNG
+        as before. Returns the seconds it took."""
+        start = time.perf_counter()
+        with self.engine.warming_up():
+            for batch in batches:
+                values = self.compute_values(batch)
+                returns = values.clone()
+                returns[:, 0] = float("nan")
+                self.train_step(batch.replace(values=values, returns=returns))
+        return time.perf_counter() - start
+
     def train_step(self, batch: ExperienceBatch) -> dict[str, float]:
         """Clipped value regression on `batch.returns` (old values: `batch.values`)."""
         start = time.perf_counter()

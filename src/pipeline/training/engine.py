@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,14 +134,15 @@ def place_model(
             param_dtype=config.compute_dtype(info.device),
             reduce_dtype=config.reduce_torch_dtype,
             activation_checkpointing=config.activation_checkpointing and trainable,
-            compile=config.compile,
-            compile_options=config.compile_options,
+            compile_kwargs=config.compile_kwargs() if config.compile else None,
         )
     else:
         for block in model.model.layers:
             block.activation_checkpointing = config.activation_checkpointing and trainable  # type: ignore[union-attr]
-        if config.compile:  # one compiled region for the whole trunk: less host overhead
-            model.model.compile(**config.compile_kwargs())
+        if config.compile:
+            regions = model.model.layers if config.compile_scope == "blocks" else [model.model]
+            for region in regions:
+                region.compile(**config.compile_kwargs())
         if config.trunk_graphs and trainable and info.device.type == "cuda":
             from pipeline.training.trunk_graphs import TrunkGraphs
 
@@ -188,6 +189,7 @@ class TrainEngine:
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.train_steps = 0  # train_step calls completed (the trainer's step counter)
+        self._warming = False
 
     def compute_weights(self, *, defer: bool = False) -> contextlib.AbstractContextManager[None]:
         """Forward/backward precision: low-precision copies of the float32 masters in a single
@@ -319,7 +321,28 @@ class TrainEngine:
         grad_norm, flag, bad_loss = outcome
         stats.count(self._record(grad_norm, skipped=flag > 0, nonfinite_loss=bad_loss > 0))
 
+    @contextlib.contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Steps run inside leave no trace: the caller makes every update non-finite (so it
+        is skipped on every rank, weights and Adam untouched), and the counters, the RNG
+        and the step timer are put back after. What remains is what the steps compiled
+        and captured (`PolicyTrainer.warm_up`)."""
+        from pipeline.training.checkpoint import rng_state, set_rng_state
+
+        saved = (self.optimizer_steps, self.skipped_steps, self.train_steps)
+        rng = rng_state()
+        self._warming = True
+        try:
+            yield
+        finally:
+            self.settle_staged()
+            self._warming = False
+            self.optimizer_steps, self.skipped_steps, self.train_steps = saved
+            set_rng_state(rng)
+
     def _record(self, grad_norm: float, *, skipped: bool, nonfinite_loss: bool) -> UpdateOutcome:
+        if skipped and self._warming:
+            return UpdateOutcome(grad_norm=grad_norm, skipped=True, lr=self._schedule_lr())
         if skipped:
             self.skipped_steps += 1
             self.log.warning(

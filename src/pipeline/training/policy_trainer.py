@@ -164,6 +164,20 @@ class PolicyTrainer:
 
     # -- training -----------------------------------------------------------------------
 
+    def warm_up(self, batches: list[ExperienceBatch]) -> float:
+        """Run a step on each batch with one behaviour log-prob made NaN, so that every
+        update is skipped and nothing trains: what remains is what a step compiles and
+        captures (trunk, reference, loss; grad and no-grad; each attention path the batches
+        take). Counters, RNG and weights are as before. Returns the seconds it took."""
+        start = time.perf_counter()
+        with self.engine.warming_up():
+            for batch in batches:
+                if self.reference is not None:  # the step runs its own reference forward
+                    batch = batch.replace(ref_logprobs=None)
+                self.submit_step(poisoned(batch)).result()
+        self._last_done = 0.0
+        return time.perf_counter() - start
+
     def train_step(self, batch: ExperienceBatch) -> dict[str, float]:
         """One PPO update on this rank's share of the batch; returns global metrics."""
         return self.submit_step(batch).result()
@@ -382,6 +396,14 @@ class PolicyTrainer:
     def export_hf(self, path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> None:
         """HF safetensors of the current policy (collective; rank 0 writes)."""
         self.engine.export_hf(path, dtype)
+
+
+def poisoned(batch: ExperienceBatch) -> ExperienceBatch:
+    """The batch with every sample's first behaviour log-prob NaN: every micro-batch's
+    loss is non-finite, so every update (each mini-batch's) is skipped on every rank."""
+    behaviour = batch.behaviour_logprobs.clone()
+    behaviour[:, 0] = float("nan")
+    return batch.replace(behaviour_logprobs=behaviour)
 
 
 def _add_token_sums(sums: MetricSums, token: Tensor, top: Tensor, with_ref: bool) -> None:

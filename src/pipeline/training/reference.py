@@ -40,6 +40,15 @@ class ReferencePolicy:
             model = loaded
         self.model: CausalLM = place_model(model, config, self.info, trainable=False)  # type: ignore[assignment]
 
+    def warm_up(self, batches: list[ExperienceBatch]) -> float:
+        """Compile what its forward runs on each batch; the seconds it took."""
+        import time
+
+        start = time.perf_counter()
+        for batch in batches:
+            self.logprobs(batch)
+        return time.perf_counter() - start
+
     @torch.no_grad()
     def logprobs(self, batch: ExperienceBatch) -> Tensor:
         """Reference log-probs of the response tokens, (n, R) float32, 0 where masked."""

@@ -71,6 +71,31 @@ class EngineRunner:
         self._wake.set()
         return await pending.future
 
+    async def warm_up(self, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> float:
+        """Generate one step's worth of random prompts at the run's lengths before serving:
+        the engine compiles its blocks and sampler and captures its decode graphs for the
+        batch sizes a step meets, while the trainers warm up too. Its seconds."""
+        from pipeline.messages import Prompt, TensorRef
+
+        start = self.loop.time()
+        rng = np.random.default_rng(0)
+        vocab = max(2, len(self.tokenizer))
+        ref = TensorRef(dtype="int32", shape=(prompt_len,), frame=0)
+        calls = [
+            self.generate(
+                Prompt(
+                    uid=f"warmup-{i}",
+                    prompt_ids=ref,
+                    n_samples=samples,
+                    max_new_tokens=new_tokens,
+                ),
+                rng.integers(0, vocab, prompt_len).astype(np.int32),
+            )
+            for i in range(prompts)
+        ]
+        await asyncio.gather(*calls)
+        return self.loop.time() - start
+
     def update_weights(self, tensors: Mapping[str, Any], version: int) -> Future[int]:
         """The weight receiver's apply: offer its staging tensors (validated against the
         engine's parameters by the receiver); the Future resolves once the engine thread has
@@ -151,6 +176,16 @@ def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
         future.set_exception(exc)
 
 
+def prompts_in_flight(config: Any) -> int:
+    """rollout.prompts_in_flight, or by default: fill max_batch on a GPU, 8 on a CPU."""
+    rollout = config.rollout
+    if rollout.prompts_in_flight > 0:
+        return int(rollout.prompts_in_flight)
+    if config.pools[config.services["rollout"].pool].kind == "cuda":
+        return max(1, rollout.max_batch // max(1, rollout.n_samples))
+    return 8
+
+
 async def start_engine(ctx: Any) -> EngineRunner:
     """Build the configured engine on the run's model directory."""
     import torch
@@ -185,4 +220,14 @@ async def start_engine(ctx: Any) -> EngineRunner:
             else {}
         ),
     )
-    return EngineRunner(engine, tokenizer, asyncio.get_running_loop())
+    runner = EngineRunner(engine, tokenizer, asyncio.get_running_loop())
+    rollout = config.rollout
+    if device == "cuda" and (rollout.compile or rollout.cuda_graphs):
+        seconds = await runner.warm_up(
+            prompts_in_flight(config),
+            rollout.n_samples,
+            config.task.max_prompt_tokens,
+            rollout.max_new_tokens,
+        )
+        runner.log.info("warmed_up", seconds=round(seconds, 2))
+    return runner

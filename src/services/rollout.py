@@ -7,18 +7,9 @@ from typing import Any
 
 from pipeline import codec
 from pipeline.messages import Prompt, Rollout
+from pipeline.rollout_worker import prompts_in_flight
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, write_group
-
-
-def prompts_in_flight(config: Any) -> int:
-    """rollout.prompts_in_flight, or by default: fill max_batch on a GPU, 8 on a CPU."""
-    rollout = config.rollout
-    if rollout.prompts_in_flight > 0:
-        return int(rollout.prompts_in_flight)
-    if config.pools[config.services["rollout"].pool].kind == "cuda":
-        return max(1, rollout.max_batch // max(1, rollout.n_samples))
-    return 8
 
 
 class RolloutService(Service):

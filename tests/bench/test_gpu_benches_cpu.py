@@ -231,3 +231,26 @@ def test_all_gpu_bookkeeping(tmp_path: Path) -> None:
     assert [f["config"]["s"] for f in merged] == ["a", "b"]
     text = all_gpu.summary(ok, written)
     assert "failed" in text and "exit code 1" in text
+
+
+@pytest.mark.slow
+def test_cold_start_cpu(tmp_path: Path) -> None:
+    """Two short real runs (an empty compile cache, then the one it filled): each service's
+    ready before the first step, the first step before the tenth would be, no recompile."""
+    out_file = tmp_path / "cold_start.json"
+    cmd = [sys.executable, "-m", "pipeline.bench.cold_start", "--device", "cpu", "--shape", ""]
+    cmd += ["--profile", "profiles/local-cpu.toml", "--variants", "grpo", "--steps", "4"]
+    cmd += ["--json", str(out_file), "--learner.trainer.compile", "true"]
+    cmd += ["--learner.trainer.compile_backend", "aot_eager"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figs = json.loads(out_file.read_text())
+    assert [f["figure"] for f in figs] == ["first_step_s_grpo_cold", "first_step_s_grpo_warm"]
+    for fig in figs:
+        assert list(fig) == list(KEYS)
+        config = fig["config"]
+        ready = [v for k, v in config.items() if k.startswith("ready_s.")]
+        assert len(ready) >= 3 and 0 < max(ready) <= fig["value"]
+        assert config["recompiles_after_step0"] == 0 and config["steps"] == 4
+        assert 0 < fig["bound"] < fig["value"]
+    assert figs[1]["baseline_value"] == figs[0]["value"]

@@ -63,8 +63,19 @@ def jobs(device: str) -> list[Job]:
         Job(f"rollout_decode {shape}", "rollout_decode", [*dev, "--shape", shape]),
         Job(f"learner_step {shape}", "learner_step", [*dev, "--shape", shape]),
         Job(f"kernels {shape}", "kernels", [*dev, "--shape", shape]),
+        *cold_start_jobs(device),
         *e2e_jobs(device),
     ]
+
+
+def cold_start_jobs(device: str) -> list[Job]:
+    """A short run cold and warm on one GPU (BENCH_COLD_VARIANTS, default "grpo,ppo")."""
+    if device != "cuda":
+        return [Job("cold_start", "cold_start", ["--device", "cpu", "--shape", "", "--steps", "3",
+                                                 "--profile", "profiles/local-cpu.toml",
+                                                 "--variants", "grpo"])]  # fmt: skip
+    variants = os.environ.get("BENCH_COLD_VARIANTS", "grpo,ppo")
+    return [Job("cold_start", "cold_start", ["--device", "cuda", "--variants", variants])]
 
 
 def e2e_jobs(device: str) -> list[Job]:

@@ -218,6 +218,13 @@ class TrainerConfig:
                 f"{_SECTION}.compile_mode and compile_options configure inductor; with "
                 f"compile_backend = {self.compile_backend!r} leave them at their defaults"
             )
+        if self.compile and self.compile_scope == "blocks" and self.cuda_graphs:
+            raise ConfigError(
+                f"{_SECTION}.compile_scope = 'blocks' replays one block's graph for every "
+                "layer of a step, which inductor's CUDA graph trees cannot (a later layer "
+                "overwrites an earlier one's output): set compile_mode = 'default', or "
+                "compile_scope = 'trunk'"
+            )
         if self.compile_mode not in ("default", "reduce-overhead", "max-autotune"):
             raise ConfigError(
                 f"set {_SECTION}.compile_mode to default, reduce-overhead or max-autotune "

@@ -23,6 +23,7 @@ from pipeline.samples import GroupArrays
 from pipeline.trainer_setup import (
     batch_from_groups,
     compile_counts,
+    compile_report,
     compiles,
     reference_config,
     warm_up_batches,
@@ -108,7 +109,7 @@ class CriticWorker:
                 batches = batches or warm_up_batches(self.config, part.model.config.vocab_size)
                 seconds += part.warm_up(batches)
         if batches is not None:
-            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts())
+            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts(), **compile_report())
 
     def annotate(self, group: GroupArrays) -> None:
         """Values, token rewards, advantages, returns (and reference log-probs when hosted

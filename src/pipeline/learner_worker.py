@@ -24,6 +24,7 @@ from pipeline.samples import GroupArrays
 from pipeline.trainer_setup import (
     batch_from_groups,
     compile_counts,
+    compile_report,
     compiles,
     policy_config,
     warm_up_batches,
@@ -103,7 +104,7 @@ class LearnerWorker:
         if compiles(self.trainer.config):  # now, before the first batch: see warm_up
             vocab = self.trainer.model.config.vocab_size
             seconds = self.trainer.warm_up(warm_up_batches(self.config, vocab))
-            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts())
+            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts(), **compile_report())
         # rank 0 without a hub is replaying: no engines to publish to
         if self.config.replicas("rollout") > 0 and (self.hub is not None or self.trainer.info.rank):
             from pipeline.weight_link import make_publisher

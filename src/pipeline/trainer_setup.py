@@ -46,6 +46,21 @@ def compile_counts() -> dict[str, float]:
     }
 
 
+def compile_report() -> dict[str, Any]:
+    """Where a warm-up's compile time went (dynamo's seconds per phase) and what the
+    caches gave (inductor's FX graph and AOTAutograd cache hits, misses, bypasses)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    phases = {k: round(sum(v), 2) for k, v in compilation_time_metrics.items() if sum(v) > 0.5}
+    caches = {
+        f"{group}.{key}": int(value)
+        for group in ("inductor", "aot_autograd")
+        for key, value in counters[group].items()
+        if "cache" in key
+    }
+    return {"compile_phases": phases, "compile_caches": caches}
+
+
 def compiles(trainer: TrainerConfig) -> bool:
     """Whether a trainer compiles or captures anything its first step would wait for."""
     return trainer.compile or trainer.compile_loss or trainer.trunk_graphs

@@ -21,6 +21,7 @@ from pipeline.samples import GroupArrays, read_group, write_group
 from pipeline.trainer_setup import (
     batch_from_groups,
     compile_counts,
+    compile_report,
     compiles,
     reference_config,
     warm_up_batches,
@@ -47,7 +48,7 @@ class ReferenceService(Service):
         if compiles(reference.config):  # now, before the first group
             batches = warm_up_batches(self.config, reference.model.config.vocab_size)
             seconds = reference.warm_up(batches)
-            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts())
+            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts(), **compile_report())
         return reference
 
     def _annotate(self, group: GroupArrays) -> None:

@@ -7,7 +7,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml  # a dependency of transformers (test extras); the renderer does not use it
+import yaml
 
 from pipeline.config import PipelineConfig, load_config
 from pipeline.config.schema import ROLES

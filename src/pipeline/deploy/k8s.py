@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import yaml
+
 from pipeline.deploy.chain import TOP, profile_files
 from pipeline.deploy.plan import (
     DeployError,
@@ -25,7 +27,6 @@ from pipeline.deploy.plan import (
     note_lines,
 )
 from pipeline.deploy.ports import pool_ports, queue_port
-from pipeline.deploy.yamltext import dump_all
 
 FILENAME = "k8s.yaml"
 IMAGE = "pipeline:latest"
@@ -38,6 +39,44 @@ GPU = "nvidia.com/gpu"
 GPU_PRODUCT = "nvidia.com/gpu.product"
 KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+class _ManifestDumper(yaml.SafeDumper):
+    """SafeDumper that indents a list under its key and quotes with double quotes, as the
+    Kubernetes documentation writes manifests."""
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
+
+    def choose_scalar_style(self) -> str:
+        style = super().choose_scalar_style()
+        return '"' if style == "'" else style
+
+
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    # a profile or script reads best as a literal block (the emitter quotes it where a block
+    # cannot hold it); a block would turn NEL or a Unicode line separator into "\n"
+    block = "\n" in text and not any(ch in text for ch in "\x85\u2028\u2029")
+    style = "|" if block else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_ManifestDumper.add_representer(str, _represent_str)
+
+
+def dump_all(documents: list[dict[str, Any]], header: list[str] | None = None) -> str:
+    """A multi-document stream: the header as comments, then each document after `---`.
+    Keys stay in the order built; no line is folded, so a command reads as one item."""
+    text = "".join(f"# {line}".rstrip() + "\n" for line in header or [])
+    return text + yaml.dump_all(
+        documents,
+        Dumper=_ManifestDumper,
+        explicit_start=True,
+        default_flow_style=False,
+        sort_keys=False,
+        allow_unicode=True,
+        width=2**31 - 1,
+    )
 
 
 def pool_service(pool: str) -> str:

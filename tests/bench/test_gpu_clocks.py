@@ -1,13 +1,23 @@
-"""The clock samples' assignment to device-timed steps, and the learner bench's figures
-from them (the NVML sampling itself needs a GPU: the learner bench on one exercises it)."""
+"""The clock samples' assignment to device-timed steps, the learner bench's figures from
+them, and the NVML readings (through pynvml; the real sampling is a `gpu` test)."""
 
 from __future__ import annotations
 
 import math
+import time
 
+import pynvml
+import pytest
 import torch
 
-from pipeline.bench.gpu_clocks import ClockSampler, Sample, at_top_clock, per_step, reason_names
+from pipeline.bench.gpu_clocks import (
+    ClockSampler,
+    Sample,
+    _Nvml,
+    at_top_clock,
+    per_step,
+    reason_names,
+)
 from pipeline.bench.learner_step import clock_figures
 
 
@@ -71,39 +81,68 @@ def test_no_sampler_on_cpu() -> None:
     assert ClockSampler.open(torch.device("cpu")) is None
 
 
-class _Driver:
-    """NVML's four calls as a driver answers them (the real library needs a GPU): each
-    writes its value through the pointer and returns 0, or returns `refuse[name]`."""
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-    CALLS = {
+
+def _driver_answers(monkeypatch: pytest.MonkeyPatch, refuse: tuple[str, ...] = ()) -> None:
+    """pynvml's four readings as a driver answers them (the real ones need a GPU), or the
+    NVMLError pynvml raises where the driver refuses one."""
+    answers = {
         "nvmlDeviceGetClockInfo": ("clock", 1980),
-        "nvmlDeviceGetPowerUsage": ("power", 690_500),
+        "nvmlDeviceGetPowerUsage": ("power", 690_500),  # mW
         "nvmlDeviceGetCurrentClocksEventReasons": ("reasons", 0x4),
         "nvmlDeviceGetTemperature": ("temp", 55),
     }
+    for function, (name, value) in answers.items():
 
-    def __init__(self, refuse: dict[str, int]) -> None:
-        for function, (name, value) in self.CALLS.items():
-            setattr(self, function, self._call(refuse.get(name), value))
+        def call(_handle, *_args, value=value, refused=name in refuse):
+            if refused:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            return value
 
-    @staticmethod
-    def _call(refused: int | None, value: int):
-        def call(_handle, *args):
-            if refused is not None:
-                return refused
-            args[-1]._obj.value = value  # the ctypes.byref(...) argument
-            return 0
-
-        return call
+        monkeypatch.setattr(pynvml, function, call)
 
 
-def test_a_reading_keeps_what_nvml_gave_and_drops_a_sample_without_a_clock() -> None:
-    from pipeline.bench.gpu_clocks import _Nvml
-
-    full = _Nvml(_Driver({}), None).read()
+def test_a_reading_keeps_what_nvml_gave_and_drops_a_sample_without_a_clock(monkeypatch) -> None:
+    _driver_answers(monkeypatch)
+    full = _Nvml(None).read()
     assert full is not None
     assert (full.sm_mhz, full.power_w, full.reasons, full.temp_c) == (1980, 690.5, 0x4, 55)
-    partial = _Nvml(_Driver({"power": 3, "temp": 3}), None).read()
+    _driver_answers(monkeypatch, refuse=("power", "reasons", "temp"))
+    partial = _Nvml(None).read()
     assert partial is not None and partial.sm_mhz == 1980
-    assert math.isnan(partial.power_w) and partial.temp_c == -1
-    assert _Nvml(_Driver({"clock": 999}), None).read() is None
+    assert math.isnan(partial.power_w) and partial.reasons == 0 and partial.temp_c == -1
+    _driver_answers(monkeypatch, refuse=("clock",))
+    assert _Nvml(None).read() is None
+
+
+def test_a_driver_without_clocks_event_reasons_is_read_by_the_old_name(monkeypatch) -> None:
+    _driver_answers(monkeypatch)
+
+    def missing(_handle):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", missing)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", lambda _h: 0x40)
+    reading = _Nvml(None).read()
+    assert reading is not None and reading.reasons == 0x40
+
+
+def test_no_nvml_for_a_gpu_it_does_not_know() -> None:
+    # here: no libnvidia-ml (CPU) or no such UUID (GPU host); either way no sampler
+    assert _Nvml.open("00000000-0000-0000-0000-000000000000") is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_sampler_reads_the_gpu_every_interval() -> None:
+    sampler = ClockSampler.open(torch.device("cuda", torch.cuda.current_device()))
+    assert sampler is not None
+    sampler.start()
+    time.sleep(0.3)
+    sampler.close()
+    samples = sampler.samples
+    assert len(samples) >= 10  # every 10 ms
+    assert [s.t for s in samples] == sorted(s.t for s in samples)
+    assert all(s.sm_mhz > 0 and s.temp_c > 0 for s in samples)
+    assert all(s.power_w > 0 for s in samples)

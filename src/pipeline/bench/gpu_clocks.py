@@ -1,10 +1,9 @@
 """The GPU's SM clock, power draw and clock-limit reasons while a bench runs.
 
-A thread samples NVML (the driver's libnvidia-ml, loaded with ctypes: no Python package
-needed) every `interval_s`; `per_step` assigns the samples to device-timed steps. An H200
-under sustained load holds its 700 W cap by lowering the SM clock (1410-1815 MHz against
-1980 in the learner bench at b6c031c), so a step's seconds mean little without the clock
-it ran at.
+A thread samples NVML (nvidia-ml-py's `pynvml`) every `interval_s`; `per_step` assigns the
+samples to device-timed steps. An H200 under sustained load holds its 700 W cap by lowering
+the SM clock (1410-1815 MHz against 1980 in the learner bench at b6c031c), so a step's
+seconds mean little without the clock it ran at.
 
 The device is found by its UUID: NVML numbers GPUs without regard to CUDA_VISIBLE_DEVICES.
 Where NVML or CUDA is missing (CPU runs), `ClockSampler.open` returns None.
@@ -13,7 +12,7 @@ Where NVML or CUDA is missing (CPU runs), `ClockSampler.open` returns None.
 from __future__ import annotations
 
 import bisect
-import ctypes
+import contextlib
 import itertools
 import statistics
 import threading
@@ -22,12 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pynvml
 import torch
 
 from pipeline.weights.group import device_key
-
-_CLOCK_SM = 1  # nvmlClockType_t NVML_CLOCK_SM
-_TEMPERATURE_GPU = 0  # nvmlTemperatureSensors_t NVML_TEMPERATURE_GPU
 
 # nvmlClocksEventReasons bits (the names nvidia-smi prints, shortened)
 REASONS = {
@@ -59,50 +56,51 @@ def reason_names(bits: int) -> list[str]:
 class _Nvml:
     """The few NVML calls the sampler makes, on one device."""
 
-    def __init__(self, lib: Any, handle: ctypes.c_void_p) -> None:
-        self.lib = lib
+    def __init__(self, handle: Any) -> None:
         self.handle = handle
-        # renamed in newer drivers; the old name stays exported
-        self._reasons = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or (
-            lib.nvmlDeviceGetCurrentClocksThrottleReasons
-        )
+        # renamed in newer drivers; an older driver exports only the old name
+        self._reasons = pynvml.nvmlDeviceGetCurrentClocksEventReasons
+        try:
+            self._reasons(handle)
+        except pynvml.NVMLError_FunctionNotFound:
+            self._reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        except pynvml.NVMLError:
+            pass
 
     @classmethod
     def open(cls, uuid: str) -> _Nvml | None:
         try:
-            lib = ctypes.CDLL("libnvidia-ml.so.1")
-        except OSError:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError:
             return None
-        if lib.nvmlInit_v2() != 0:
-            return None
-        handle = ctypes.c_void_p()
         for name in (uuid, f"GPU-{uuid}"):
-            if lib.nvmlDeviceGetHandleByUUID(name.encode(), ctypes.byref(handle)) == 0:
-                return cls(lib, handle)
-        lib.nvmlShutdown()
+            try:
+                return cls(pynvml.nvmlDeviceGetHandleByUUID(name))
+            except pynvml.NVMLError:
+                continue
+        pynvml.nvmlShutdown()
         return None
 
     def read(self) -> Sample | None:
         """One sample, or None where NVML gave no SM clock; a power, reasons or temperature
         reading it refuses stays nan, 0 or -1."""
-        clock, power, temp = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
-        reasons = ctypes.c_ulonglong()
-        if self.lib.nvmlDeviceGetClockInfo(self.handle, _CLOCK_SM, ctypes.byref(clock)) != 0:
+        try:
+            clock = pynvml.nvmlDeviceGetClockInfo(self.handle, pynvml.NVML_CLOCK_SM)
+        except pynvml.NVMLError:
             return None
         watts = float("nan")
-        if self.lib.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(power)) == 0:
-            watts = power.value / 1e3
-        self._reasons(self.handle, ctypes.byref(reasons))
+        with contextlib.suppress(pynvml.NVMLError):
+            watts = pynvml.nvmlDeviceGetPowerUsage(self.handle) / 1e3  # mW
+        reasons = 0
+        with contextlib.suppress(pynvml.NVMLError):
+            reasons = self._reasons(self.handle)
         celsius = -1
-        if (
-            self.lib.nvmlDeviceGetTemperature(self.handle, _TEMPERATURE_GPU, ctypes.byref(temp))
-            == 0
-        ):
-            celsius = temp.value
-        return Sample(time.perf_counter(), clock.value, watts, reasons.value, celsius)
+        with contextlib.suppress(pynvml.NVMLError):
+            celsius = pynvml.nvmlDeviceGetTemperature(self.handle, pynvml.NVML_TEMPERATURE_GPU)
+        return Sample(time.perf_counter(), clock, watts, reasons, celsius)
 
     def close(self) -> None:
-        self.lib.nvmlShutdown()
+        pynvml.nvmlShutdown()
 
 
 class ClockSampler:

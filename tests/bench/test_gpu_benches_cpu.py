@@ -208,7 +208,8 @@ def test_all_gpu_bookkeeping(tmp_path: Path) -> None:
     assert all_gpu.device_slug("cpu (AMD EPYC)") == "cpu"
     names = [j.bench for j in all_gpu.jobs("cuda")]
     assert names == [
-        *("weight_sync", "weight_sync", "rollout_decode", "learner_step", "kernels", "e2e")
+        *("weight_sync", "weight_sync", "rollout_decode", "learner_step", "kernels"),
+        *("cold_start", "e2e"),
     ]
 
     missing = all_gpu.Job("nope", "no_such_bench_module", [])

@@ -20,14 +20,7 @@ from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp
 from pipeline.runtime.ranks import decode_groups
 from pipeline.samples import GroupArrays
-from pipeline.trainer_setup import (
-    batch_from_groups,
-    compile_counts,
-    compile_report,
-    compiles,
-    reference_config,
-    warm_up_batches,
-)
+from pipeline.trainer_setup import batch_from_groups, compile_counts, reference_config, warm_up
 
 ANNOTATED = ("values", "advantages", "returns", "rewards")
 # what a group carries on from the critic's own metrics (GroupArrays.stats)
@@ -89,7 +82,8 @@ class CriticWorker:
             self.reference = ReferencePolicy(str(directory), ref, dist=self.trainer.info)
         self.kl_ctrl = make_kl_controller(self.config.algorithm)
         log_sharding(self.log, self.trainer)
-        self._warm_up()
+        # now, before the first group: every service warms up at once
+        warm_up(self.log, self.config, [self.trainer, self.reference])
         self._frames = compile_counts()["compile/frames"]
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)
@@ -98,18 +92,6 @@ class CriticWorker:
             self.last_update = dict(loaded.extra.get("last_update", {}))
             if self.trainer.info.rank == 0:
                 self.log.info("resumed", step=self.steps, kl_coef=self.kl_ctrl.value)
-
-    def _warm_up(self) -> None:
-        """Compile the value model's and the reference's paths now, before the first group
-        (every service warms up at once instead of one after the other)."""
-        batches = None
-        seconds = 0.0
-        for part in (self.trainer, self.reference):
-            if part is not None and compiles(part.config):
-                batches = batches or warm_up_batches(self.config, part.model.config.vocab_size)
-                seconds += part.warm_up(batches)
-        if batches is not None:
-            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts(), **compile_report())
 
     def annotate(self, group: GroupArrays) -> None:
         """Values, token rewards, advantages, returns (and reference log-probs when hosted

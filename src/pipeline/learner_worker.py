@@ -21,14 +21,7 @@ from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp, StepDone
 from pipeline.runtime.ranks import decode_groups
 from pipeline.samples import GroupArrays
-from pipeline.trainer_setup import (
-    batch_from_groups,
-    compile_counts,
-    compile_report,
-    compiles,
-    policy_config,
-    warm_up_batches,
-)
+from pipeline.trainer_setup import batch_from_groups, policy_config, warm_up
 
 
 @dataclass(frozen=True)
@@ -101,10 +94,8 @@ class LearnerWorker:
         loaded = None
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)
-        if compiles(self.trainer.config):  # now, before the first batch: see warm_up
-            vocab = self.trainer.model.config.vocab_size
-            seconds = self.trainer.warm_up(warm_up_batches(self.config, vocab))
-            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts(), **compile_report())
+        # now, before the first batch: every service warms up at once
+        warm_up(self.log, self.config, [self.trainer])
         # rank 0 without a hub is replaying: no engines to publish to
         if self.config.replicas("rollout") > 0 and (self.hub is not None or self.trainer.info.rank):
             from pipeline.weight_link import make_publisher

@@ -61,6 +61,17 @@ def compile_report() -> dict[str, Any]:
     return {"compile_phases": phases, "compile_caches": caches}
 
 
+def warm_up(log: Any, config: PipelineConfig, parts: list[Any]) -> None:
+    """Warm up every part (a trainer or the reference) that compiles, on batches of the
+    run's lengths, and log what it took (`warmed_up`)."""
+    parts = [p for p in parts if p is not None and compiles(p.config)]
+    if not parts:
+        return
+    batches = warm_up_batches(config, parts[0].model.config.vocab_size)
+    seconds = sum(part.warm_up(batches) for part in parts)
+    log.info("warmed_up", seconds=round(seconds, 2), **compile_counts(), **compile_report())
+
+
 def compiles(trainer: TrainerConfig) -> bool:
     """Whether a trainer compiles or captures anything its first step would wait for."""
     return trainer.compile or trainer.compile_loss or trainer.trunk_graphs

@@ -18,14 +18,7 @@ from pipeline.messages import Scored
 from pipeline.runtime.ranks import TrainerThread
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group, write_group
-from pipeline.trainer_setup import (
-    batch_from_groups,
-    compile_counts,
-    compile_report,
-    compiles,
-    reference_config,
-    warm_up_batches,
-)
+from pipeline.trainer_setup import batch_from_groups, reference_config, warm_up
 
 
 class ReferenceService(Service):
@@ -45,10 +38,7 @@ class ReferenceService(Service):
         torch.set_num_threads(max(1, self.config.run.torch_threads))
         directory = model_dir(self.config, Path(self.ctx.run_dir))
         reference = ReferencePolicy(str(directory), reference_config(self.config, "auto"))
-        if compiles(reference.config):  # now, before the first group
-            batches = warm_up_batches(self.config, reference.model.config.vocab_size)
-            seconds = reference.warm_up(batches)
-            self.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts(), **compile_report())
+        warm_up(self.log, self.config, [reference])  # now, before the first group
         return reference
 
     def _annotate(self, group: GroupArrays) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
+
 from pipeline import codec
 from pipeline.messages import Prompt, Rollout
 from pipeline.rollout_worker import prompts_in_flight
 from pipeline.runtime.service import Output, Service
-from pipeline.samples import GroupArrays, write_group
+from pipeline.samples import GroupArrays, SampleArrays, write_group
 
 
 class RolloutService(Service):
@@ -24,10 +26,14 @@ class RolloutService(Service):
         self.engine: Any = await start_engine(self.ctx)
         self.receiver: Any = start_receiver(self.ctx, self.engine)
 
+    async def generate(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:
+        """The prompt's `n_samples` responses."""
+        return await self.engine.generate(prompt, prompt_ids)
+
     async def handle(self, message: codec.Message) -> list[Output]:
         prompt: Prompt = message.body
         prompt_ids = message.tensor(prompt.prompt_ids)
-        samples = await self.engine.generate(prompt, prompt_ids)
+        samples = await self.generate(prompt, prompt_ids)
         group = GroupArrays(
             uid=prompt.uid,
             prompt_ids=prompt_ids,

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline import codec
-from pipeline.messages import Prompt, Rollout
-from pipeline.runtime.service import Output
-from pipeline.samples import GroupArrays, SampleArrays, write_group
+from pipeline.messages import Prompt
+from pipeline.samples import SampleArrays
 from services.rollout import RolloutService
 
 
@@ -15,12 +13,10 @@ class StandinRollout(RolloutService):
     async def setup(self) -> None:
         self.engine = self.receiver = None
 
-    async def handle(self, message: codec.Message) -> list[Output]:
-        prompt: Prompt = message.body
-        prompt_ids = message.tensor(prompt.prompt_ids)
+    async def generate(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:
         tail = prompt_ids[-min(len(prompt_ids), max(1, prompt.max_new_tokens)) :]
         version = self.ctx.control.policy_version if self.ctx.control else 0
-        samples = [
+        return [
             SampleArrays(
                 uid=f"{prompt.uid}/{i}",
                 response_ids=tail.astype(np.int32),
@@ -31,15 +27,6 @@ class StandinRollout(RolloutService):
             )
             for i in range(prompt.n_samples)
         ]
-        group = GroupArrays(
-            uid=prompt.uid,
-            prompt_ids=prompt_ids,
-            samples=samples,
-            data_source=prompt.data_source,
-            ground_truth=prompt.ground_truth,
-            released_version=prompt.released_version,
-        )
-        return [write_group(group, Rollout)]
 
 
 SERVICE = StandinRollout

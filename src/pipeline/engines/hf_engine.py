@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +25,7 @@ from pipeline.engines.base import Engine
 from pipeline.engines.errors import BackendUnavailableError, InvalidRequestError
 from pipeline.engines.rng import mix32_int, sample_key
 from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
-from pipeline.engines.weights import ModelWeights
+from pipeline.engines.weights import ModelWeights, ModuleWeightsEngine
 from pipeline.log import get_logger
 
 _log = get_logger("engines.hf")
@@ -67,7 +65,7 @@ def _batch_signature(params: SamplingParams) -> tuple[Any, ...]:
     )
 
 
-class HFEngine(Engine):
+class HFEngine(ModuleWeightsEngine, Engine):
     """transformers AutoModelForCausalLM over a local HF directory."""
 
     def __init__(
@@ -112,15 +110,6 @@ class HFEngine(Engine):
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting)
-
-    def update_weights(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        *,
-        checked: bool = False,
-    ) -> Future[int]:
-        return self.weights.update(named_tensors, version, checked=checked)
 
     def add_request(self, request: GenerationRequest) -> None:
         prompt = list(request.prompt_ids)

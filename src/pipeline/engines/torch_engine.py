@@ -38,8 +38,6 @@ import heapq
 import os
 import time
 from collections import deque
-from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,7 +51,7 @@ from pipeline.engines.rng import GumbelNoise, sample_key
 from pipeline.engines.sampling import RowParams, sample
 from pipeline.engines.slot_state import SlotState
 from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
-from pipeline.engines.weights import ModelWeights
+from pipeline.engines.weights import ModelWeights, ModuleWeightsEngine
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.models import CausalLM, KVCache, load_model
@@ -143,7 +141,7 @@ def compile_for_decoding(model: CausalLM) -> None:
         block.compile(dynamic=True)
 
 
-class TorchEngine(Engine):
+class TorchEngine(ModuleWeightsEngine, Engine):
     """Engine over a native `CausalLM` on CPU or CUDA.
 
     Per step, Python work is proportional to the samples admitted or finished, not to the
@@ -225,15 +223,6 @@ class TorchEngine(Engine):
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
-
-    def update_weights(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        *,
-        checked: bool = False,
-    ) -> Future[int]:
-        return self.weights.update(named_tensors, version, checked=checked)
 
     def add_request(self, request: GenerationRequest) -> None:
         params = request.params

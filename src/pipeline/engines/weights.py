@@ -153,3 +153,19 @@ class ModelWeights(SafePoint):
         device = dsts[0].device
         if device.type == "cuda":  # resolved means live: the copy has run, not just queued
             torch.cuda.current_stream(device).synchronize()
+
+
+class ModuleWeightsEngine:
+    """`Engine.update_weights` of an engine whose weights are its module's parameters
+    (`self.weights`, a ModelWeights)."""
+
+    weights: ModelWeights
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        checked: bool = False,
+    ) -> Future[int]:
+        return self.weights.update(named_tensors, version, checked=checked)

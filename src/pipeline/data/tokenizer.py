@@ -2,14 +2,13 @@
 
 The toy task's policy is a small transformer trained from scratch, so a character vocabulary
 (about a hundred tokens) keeps its embedding and output layers tiny and makes every digit one
-token, which is what the reversal task needs. It is saved as `tokenizer.json` +
-`tokenizer_config.json` + `special_tokens_map.json` so `AutoTokenizer` and inference engines
-load it like any other model's tokenizer.
+token, which is what the reversal task needs. transformers' `save_pretrained` writes it
+(`tokenizer.json`, `tokenizer_config.json` and the chat template), so `AutoTokenizer` and
+inference engines load it like any other model's tokenizer.
 """
 
 from __future__ import annotations
 
-import json
 import string
 from pathlib import Path
 from typing import Any
@@ -52,39 +51,26 @@ def build_char_tokenizer(characters: str = CHARACTERS) -> Tokenizer:
 def save_char_tokenizer(
     out_dir: str | Path, *, characters: str = CHARACTERS, model_max_length: int = 512
 ) -> Path:
-    """Write the tokenizer in Hugging Face format into `out_dir`; returns the directory."""
+    """Write the tokenizer in Hugging Face format into `out_dir`; returns the directory.
+    The files are the installed transformers' own: transformers 5 names its
+    `TokenizersBackend` in them, which transformers 4 cannot load."""
+    from transformers import PreTrainedTokenizerFast
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_char_tokenizer(characters)
-    tok.save(str(out / "tokenizer.json"))
-    special_map: dict[str, Any] = {
-        "pad_token": PAD,
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "unk_token": UNK,
-        "additional_special_tokens": list(ROLE_TOKENS),
-    }
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **special_map,
-        "model_max_length": model_max_length,
-        "padding_side": "left",
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {
-            str(tok.token_to_id(t)): {
-                "content": t,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for t in SPECIAL_TOKENS
-        },
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=build_char_tokenizer(characters),
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS),
+        model_max_length=model_max_length,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+    tok.save_pretrained(str(out))
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-ROLES = ("controller", "rollout", "reward", "critic", "learner")
+from pipeline.roles import ROLES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,6 +19,23 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", default="profiles/local-cpu.toml")
     run.add_argument("--name", default=None, help="run name (default: profile name + time)")
     run.add_argument("--no-progress", action="store_true")
+    run.add_argument(
+        "--resume", action="store_true", help="continue the run of this --name where it stopped"
+    )
+
+    cfg = sub.add_parser("config", help="the resolved config of a profile, or every key")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    show = cfg_sub.add_parser("show", help="print the resolved config (profile + overrides)")
+    show.add_argument("--profile", default="profiles/local-cpu.toml")
+    cfg_sub.add_parser("keys", help="every key with its default and what it does")
+
+    data = sub.add_parser("data", help="datasets in the RL schema")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    convert = data_sub.add_parser("convert", help="convert a public dataset's rows")
+    convert.add_argument("format", choices=("gsm8k",))
+    convert.add_argument("input", help="its rows: .parquet, .jsonl or .json")
+    convert.add_argument("output", help="the RL-schema file to write (.parquet or .jsonl)")
+    convert.add_argument("--split", default="train", help="recorded in extra_info")
 
     svc = sub.add_parser("service", help="start one service; it joins through the controller")
     svc.add_argument("role", choices=ROLES)
@@ -70,12 +87,26 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "run":
-        from pipeline.commands.run import run_command
+    if args.command in ("run", "config"):
+        from pipeline.errors import ConfigError
 
-        return run_command(args, rest)
+        try:
+            if args.command == "run":
+                from pipeline.commands.run import run_command
+
+                return run_command(args, rest)
+            from pipeline.commands.config_cmd import config_command
+
+            return config_command(args, rest)
+        except ConfigError as exc:
+            print(f"pipeline {args.command}: error: {exc}", file=sys.stderr)
+            return 2
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "data":
+        from pipeline.commands.data_cmd import data_command
+
+        return data_command(args)
     if args.command == "inspect":
         from pipeline.commands.inspect import inspect_command
 

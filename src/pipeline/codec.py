@@ -38,9 +38,13 @@ _body_decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.it
 class Limits:
     """Per-channel size limits; a larger frame is refused before it is parsed."""
 
+    # the largest message header accepted
     max_header_bytes: int = 4096
+    # the largest message body accepted
     max_body_bytes: int = 16 * 1024 * 1024
+    # the largest tensor frame accepted
     max_tensor_bytes: int = 4 * 1024 * 1024 * 1024
+    # the most frames one message may have
     max_frames: int = 65536
 
 

@@ -12,6 +12,17 @@ import structlog
 _configured = False
 
 
+class _CurrentStderr:
+    """Whatever sys.stderr is when a line is written: under a live progress bar (rich
+    redirects stderr) log lines then print above the bar instead of through it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(*, json_lines: bool | None = None, level: str | None = None) -> None:
     """Configure structlog once per process.
 
@@ -42,7 +53,7 @@ def configure_logging(*, json_lines: bool | None = None, level: str | None = Non
         ),
         # one write per line: the ranks of a torchrun'd trainer share one unbuffered log
         # file, where print's separate write of the newline lets their lines interleave
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     _configured = True

@@ -96,6 +96,33 @@ class Controller:
 
     # ------------------------------------------------------------------ set-up
 
+    def _within_prompt_limit(self, task: Any) -> tuple[list[Any], int]:
+        """The dataset's prompts no longer than task.max_prompt_tokens, and how many were
+        dropped; a longer one refuses the dataset unless task.drop_long_prompts."""
+        cfg = self.config.task
+        if not task.records:
+            raise ConfigError(f"task.dataset {cfg.dataset!r} has no rows; point it at a dataset")
+        lengths = [len(task.tokenizer.encode(r.prompt_text)) for r in task.records]
+        records = [
+            r for r, n in zip(task.records, lengths, strict=True) if n <= cfg.max_prompt_tokens
+        ]
+        dropped = len(task.records) - len(records)
+        if dropped and not cfg.drop_long_prompts:
+            raise ConfigError(
+                f"{dropped} of {len(task.records)} prompts are longer than "
+                f"task.max_prompt_tokens = {cfg.max_prompt_tokens} tokens (the longest has "
+                f"{max(lengths)}): raise task.max_prompt_tokens to {max(lengths)}, or set "
+                "task.drop_long_prompts = true to train on the others"
+            )
+        if not records:
+            raise ConfigError(
+                f"every prompt is longer than task.max_prompt_tokens = {cfg.max_prompt_tokens}"
+                f" (the shortest has {min(lengths)} tokens); raise it"
+            )
+        if dropped:
+            self.log.warning("long_prompts_dropped", dropped=dropped, limit=cfg.max_prompt_tokens)
+        return records, dropped
+
     def prepare(self) -> None:
         """Run directory, resolved config, data, tokenizer (and the tiny model if asked)."""
         from pipeline.data.cursor import PromptCursor
@@ -108,19 +135,7 @@ class Controller:
         torch.set_num_threads(max(1, self.config.run.torch_threads))
         task = prepare_task(self.config, self.run_dir)
         self._tokenizer = task.tokenizer
-        limit = self.config.task.max_prompt_tokens
-        records = [r for r in task.records if len(task.tokenizer.encode(r.prompt_text)) <= limit]
-        if len(records) < len(task.records):
-            self.log.warning(
-                "overlong_prompts_skipped",
-                skipped=len(task.records) - len(records),
-                limit=limit,
-                hint="raise task.max_prompt_tokens to keep them",
-            )
-        if not records:
-            raise ConfigError(
-                f"every prompt is longer than task.max_prompt_tokens = {limit}; raise it"
-            )
+        records, dropped = self._within_prompt_limit(task)
         self._cursor = PromptCursor(records, seed=self.config.run.seed)
         self.open_state()
         (self.run_dir / "run.json").write_text(
@@ -130,6 +145,8 @@ class Controller:
                     "started": self.started,
                     "pid": os.getpid(),
                     "incarnation": self.state.incarnations,
+                    "prompts": len(records),
+                    "dropped_long_prompts": dropped,
                 }
             )
         )

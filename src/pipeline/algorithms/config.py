@@ -26,34 +26,50 @@ class AlgorithmConfig:
 
     # advantages
     advantage_estimator: AdvantageEstimator = "gae"
+    # discount of GAE / V-trace
     gamma: float = 1.0
+    # lambda of GAE / V-trace
     lam: float = 0.95
+    # gae/vtrace advantages to zero mean, unit std over the step's tokens
     whiten_advantages: bool = True
+    # GRPO divides by the group's std (off: Dr. GRPO's mean baseline)
     norm_adv_by_std_in_grpo: bool = True
     # policy loss
     clip_ratio_low: float = 0.2
+    # PPO's upper clip of the ratio (1 + this)
     clip_ratio_high: float = 0.2
     clip_ratio_c: float | None = 3.0  # dual clip for negative advantages; None disables it
+    # token-mean, seq-mean-token-sum or seq-mean-token-mean
     loss_agg_mode: LossAggMode = "token-mean"
+    # entropy bonus in the policy loss
     entropy_coef: float = 0.0
     # value loss
     value_clip: float | None = 0.5  # None disables value clipping
     # KL to the reference: as a loss term ...
     use_kl_loss: bool = False
+    # weight of the KL-to-reference loss
     kl_loss_coef: float = 0.001
+    # k1, k2, k3 or low_var_kl for the KL loss
     kl_estimator: KLEstimator = "k3"
     # ... and/or as a per-token reward penalty with a (possibly adaptive) coefficient
     kl_penalty_in_reward: bool = False
+    # the estimator of the in-reward penalty
     kl_reward_estimator: KLEstimator = "k1"
+    # fixed or adaptive coefficient of the in-reward penalty
     kl_ctrl_type: KLControllerType = "fixed"
+    # the in-reward penalty's (starting) coefficient
     init_kl_coef: float = 0.001
+    # the adaptive controller's target (mean per-sequence KL)
     target_kl: float = 0.1
+    # samples over which the adaptive controller closes its error
     horizon: int = 10_000
     # rollout/learner mismatch: truncated importance sampling
     is_cap: float | None = 2.0  # None disables truncation
+    # token or sequence truncated importance weights
     is_level: ISLevel = "token"
     # V-trace truncation levels (Espeholt et al. assume rho_bar >= c_bar)
     vtrace_rho_bar: float = 1.0
+    # V-trace's trace-cutting truncation
     vtrace_c_bar: float = 1.0
 
     @classmethod

@@ -18,15 +18,19 @@ def run_command(args: argparse.Namespace, rest: list[str]) -> int:
 
     configure_logging()
     profile = str(resolve_profile(args.profile))
-    try:
-        overrides = parse_override_args(rest)
-        base = load_config(profile, overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}")
-        return 2
+    overrides = parse_override_args(rest)
+    base = load_config(profile, overrides)
     name = args.name or f"{base.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     overrides["run.name"] = name
     config = load_config(profile, overrides)
+    existing = layout.run_dir(config)
+    if (existing / "config.json").exists() and not args.resume:
+        raise ConfigError(
+            f"a run named {name!r} exists in {existing}; pass --resume to continue it, or "
+            "choose another --name"
+        )
+    if args.resume and not (existing / "config.json").exists():
+        raise ConfigError(f"--resume: no run named {name!r} in {existing.parent}")
     if not config.model.path and config.task.warm_start_steps > 0:
         print(
             f"note: the generated tiny model gets a supervised warm start of "

@@ -7,26 +7,27 @@ from typing import Literal
 
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.errors import ConfigError, UnknownPool
+from pipeline.roles import QUEUES, ROLES, TRAINER_ROLES
 from pipeline.training.config import TrainerConfig
 from pipeline.transport.channel import ChannelConfig
-
-ROLES = ("controller", "rollout", "reward", "critic", "learner", "reference")
-# in the order of the chain; "referenced" (the reference service's output) is last so that
-# the other queues keep their tcp ports
-QUEUES = ("prompts", "rollouts", "scored", "experience", "referenced")
-# roles that train with FSDP: fsdp_size > 1 is one torchrun of fsdp_size ranks
-TRAINER_ROLES = ("learner", "critic")
 
 
 @dataclass(frozen=True)
 class RunConfig:
+    # the run's directory name under runs_dir (`pipeline run --name`)
     name: str = "local-cpu"
+    # where run directories go
     runs_dir: str = "runs"
+    # seeds the dataset order, the tiny model, the engines' sampling
     seed: int = 0
     # "ipc" puts sockets in the run directory (one host); "tcp" binds `host` ports
     transport: Literal["ipc", "tcp"] = "ipc"
+    # the controller's address on tcp (and the default pool host)
     host: str = "127.0.0.1"
+    # the control socket's port on tcp; the queues and the weight hub follow from it (0: 29400
+    # in rendered deployments)
     controller_port: int = 0
+    # seconds a service waits for the controller's answer to its hello
     handshake_timeout_s: float = 20.0
     # torch threads per service process (several services share a CPU host)
     torch_threads: int = 1
@@ -49,6 +50,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class QueuesConfig:
     channel: ChannelConfig = field(default_factory=ChannelConfig)
+    # queues appended to runs/<name>/queues/<queue>.log (replay and inspect read them)
     record: list[str] = field(default_factory=lambda: list(QUEUES))
 
     def validate(self) -> None:
@@ -61,8 +63,11 @@ class QueuesConfig:
 
 @dataclass(frozen=True)
 class PoolConfig:
+    # the host every service placed on this pool binds and is reached at
     host: str = "127.0.0.1"
+    # cpu or cuda
     kind: Literal["cpu", "cuda"] = "cpu"
+    # the GPU indices of a cuda pool (CUDA_VISIBLE_DEVICES of its replicas)
     devices: list[int] = field(default_factory=list)
     # free-form label, e.g. "H200" or "L40S", for the report
     device_name: str = ""
@@ -70,10 +75,15 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class PlacementConfig:
+    # the pool this role runs on
     pool: str = "local"
+    # processes of this role (controller and learner: exactly 1)
     replicas: int = 1
+    # GPUs each replica sees, sliced from the pool in order (0: all of the pool's)
     devices_per_replica: int = 0
+    # ranks of one FSDP2 data-parallel trainer (learner, critic), started under torchrun
     fsdp_size: int = 1
+    # tensor-parallel ranks of one engine replica (only 1 today: refused above it)
     tp: int = 1
     # the `python -m` module that serves this role: empty for the project's own
     # (services.<role>); yours subclasses that service and ends with `SERVICE = YourClass`
@@ -111,16 +121,25 @@ class PlacementConfig:
 class TaskConfig:
     # "toy_reverse" (generated), or a path to a parquet/jsonl file in the RL schema
     dataset: str = "toy_reverse"
+    # prompts generated for toy_reverse
     dataset_size: int = 512
+    # the longest prompt in tokens; a dataset with longer ones is refused (or, with
+    # drop_long_prompts, they are dropped and counted)
     max_prompt_tokens: int = 64
+    # drop the prompts longer than max_prompt_tokens (their count is printed at start)
+    # instead of refusing the dataset
+    drop_long_prompts: bool = False
     # supervised steps on copying digits before RL (the generated tiny model only)
     warm_start_steps: int = 200
 
 
 @dataclass(frozen=True)
 class ControllerConfig:
+    # learner steps in the run
     steps: int = 20
+    # prompts (groups of n_samples) the learner trains on per step
     prompts_per_step: int = 8
+    # versions a trained sample may lag the learner (0: synchronous PPO)
     max_staleness: int = 1
     # prompts released but not yet trained, at most (also bounded by staleness)
     max_inflight_prompts: int = 64
@@ -144,12 +163,19 @@ class ControllerConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    # torch (built-in), hf (transformers generate) or vllm
     engine: Literal["torch", "hf", "vllm"] = "torch"
+    # responses per prompt (a group)
     n_samples: int = 4
+    # the longest response in tokens
     max_new_tokens: int = 16
+    # sampling temperature (0: greedy); the learner computes its log-probs at it
     temperature: float = 1.0
+    # nucleus sampling mass (1: off)
     top_p: float = 1.0
+    # sample among the k likeliest tokens (-1: off)
     top_k: int = -1
+    # sequences one engine decodes at once
     max_batch: int = 64
     # the built-in engine replays decode steps as CUDA graphs (on a GPU; ignored on CPU)
     cuda_graphs: bool = True
@@ -178,6 +204,7 @@ class RolloutConfig:
 class RewardConfig:
     # "auto": pick the verifier by each sample's data_source; or a name / "module:function"
     function: str = "auto"
+    # seconds one verifier call may take before it scores 0 and counts as an error
     timeout_s: float = 5.0
 
 
@@ -209,17 +236,20 @@ class LearnerConfig:
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1e-5))
     # save a checkpoint every this many steps (0: only at the end of the run)
     checkpoint_every: int = 0
+    # checkpoints kept on disk (the newest; older ones are deleted)
     keep_checkpoints: int = 2
     weights: WeightSyncSection = field(default_factory=WeightSyncSection)
 
 
 @dataclass(frozen=True)
 class CriticConfig:
+    # a learned value model (needed by gae and vtrace)
     enabled: bool = True
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1e-4))
     # save the value model, optimizer, schedule and KL controller every this many value
     # updates (0: only at the end of the run); a restarted critic resumes from the latest
     checkpoint_every: int = 0
+    # checkpoints kept on disk (the newest; older ones are deleted)
     keep_checkpoints: int = 2
 
 
@@ -240,13 +270,17 @@ class ReferenceConfig:
 class ModelSection:
     # a local Hugging Face directory; empty: the project makes its tiny model in the run dir
     path: str = ""
+    # the engines' weight dtype (the learner keeps float32 masters)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 @dataclass(frozen=True)
 class SupervisorConfig:
+    # restarts of one service before the run ends
     max_restarts: int = 3
+    # seconds before a crashed service starts again
     restart_backoff_s: float = 0.5
+    # seconds a service gets to stop after SIGTERM before SIGKILL
     stop_timeout_s: float = 10.0
 
 

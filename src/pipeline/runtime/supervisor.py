@@ -127,6 +127,13 @@ class Supervisor:
         """Handle a child that exited; returns False when the run must end."""
         child.exits.append(code)
         self.events.append({"time": time.time(), "service": child.name, "exit": code})
+        if code != 0 and not self._stopping:
+            log_path = self.run_dir / "logs" / f"{child.name}.log"
+            print(
+                f"{child.name} exited with code {code}: {failure_cause(log_path)}\n"
+                f"  log: {log_path}",
+                file=sys.stderr,
+            )
         if child.role == "controller" and (code >= 0 or self._stopping):
             self.log.info("controller_exited", code=code)
             return False
@@ -154,6 +161,14 @@ class Supervisor:
                 return  # it failed: the main loop reports it
             time.sleep(0.1)
         time.sleep(0.2)  # run.json is written just before the control socket binds
+        with contextlib.suppress(OSError, ValueError):
+            dropped = json.loads(marker.read_text()).get("dropped_long_prompts", 0)
+            if dropped:
+                print(
+                    f"note: {dropped} prompts longer than task.max_prompt_tokens = "
+                    f"{self.config.task.max_prompt_tokens} dropped (task.drop_long_prompts)",
+                    file=sys.stderr,
+                )
 
     def run(self) -> int:
         """Start everything, watch, and return the controller's exit code."""
@@ -235,6 +250,42 @@ def launcher_args(config: PipelineConfig, role: str) -> list[str]:
     ]
 
 
+def kl_text(step: dict[str, Any]) -> str:
+    """The KL a step computed: to the reference (k3) when there is one, else between the
+    engine's and the learner's log-probs."""
+    if "kl/k3" in step:
+        return f"kl {step['kl/k3']:.4f}"
+    return f"mismatch kl {step.get('mismatch/kl', 0.0):.2e}"
+
+
+def failure_cause(log_path: Path, limit: int = 1 << 16) -> str:
+    """The last error a service logged: its exception's last line, else the last line."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(max(0, log_path.stat().st_size - limit))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and (
+            record.get("exception")
+            or record.get("level")
+            in (
+                "error",
+                "critical",
+            )
+        ):
+            text = str(record.get("exception") or "").strip().splitlines()
+            detail = text[-1] if text else ""
+            return detail or f"{record.get('event')} {record.get('error', '')}".strip()
+    tail = [x for x in lines if x.strip()]
+    return tail[-1][-300:] if tail else "(empty log)"
+
+
 class _Progress:
     """A live bar fed by the controller's steps.jsonl: step, reward, KL, tokens/s, staleness."""
 
@@ -265,7 +316,7 @@ class _Progress:
             self.offset += len(line.encode())
             rec = json.loads(line)
             info = (
-                f"reward {rec.get('reward_mean', 0):.3f}  kl {rec.get('kl/k3', 0):.4f}  "
+                f"reward {rec.get('reward_mean', 0):.3f}  {kl_text(rec)}  "
                 f"tok/s {rec.get('tokens_per_s', 0):.0f}  stale {rec.get('staleness_max', 0):.0f}"
                 f"  sync {rec.get('sync_seconds', 0) * 1000:.0f}ms"
             )

@@ -43,8 +43,11 @@ class TrainerConfig:
 
     # optimiser
     lr: float = 1e-5
+    # AdamW's decoupled weight decay
     weight_decay: float = 0.0
+    # AdamW's moment decays
     betas: tuple[float, float] = (0.9, 0.999)
+    # AdamW's epsilon
     eps: float = 1e-8
     grad_clip: float | None = 1.0  # None: no clipping (the norm is still reported)
     # AdamW's fused kernel: None = on CUDA for an unsharded model. Fused, the clip and the
@@ -61,22 +64,29 @@ class TrainerConfig:
     exp_avg_dtype: Literal["float32", "bfloat16"] = "float32"
     # schedule (in optimizer steps; total_steps is needed by linear/cosine)
     schedule: Schedule = "constant"
+    # optimizer steps of linear warm-up from 0
     warmup_steps: int = 0
+    # optimizer steps the linear/cosine schedule decays over
     total_steps: int = 0
+    # the schedule's floor as a share of lr
     min_lr_ratio: float = 0.0
     # batching
     ppo_epochs: int = 1
+    # optimizer steps per epoch (the batch split into this many)
     mini_batches: int = 1
     # with one optimizer step per update (1 epoch, 1 mini-batch) the proximal policy is the
     # training forward itself: take its log-probs (detached) instead of a separate forward
     fuse_proximal: bool = True
+    # tokens of one forward/backward (gradients accumulate over micro-batches)
     max_tokens_per_micro_batch: int = 4096
     infer_max_tokens_per_micro_batch: int = 0  # no-grad forwards; 0: same as training
+    # pack sequences end to end (varlen attention) instead of padding them
     padding_free: bool = True
     # > 0: packed micro-batches padded to a multiple of this many tokens (and cu_seqlens /
     # max_seqlen to powers of two) so CUDA graphs see few shapes; 0: no padding at all
     pack_bucket_tokens: int = 0
     shuffle: bool = False  # permute samples each epoch (seeded by seed, step, epoch)
+    # tokens per chunk of the output layer's log-prob pass (memory)
     logprob_chunk_tokens: int = 1024
     # keep a training micro-batch's (tokens, vocab) logits for backward instead of
     # recomputing them chunk by chunk: one GEMM less, 2 bytes * tokens * vocab more memory
@@ -84,9 +94,12 @@ class TrainerConfig:
     temperature: float = 1.0  # the sampler's, so PPO ratios use its distribution
     # precision and placement; "auto": float32 on CPU, bfloat16 params on CUDA
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # dtype of FSDP's gradient reduction
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
+    # recompute each block in backward (memory for time)
     activation_checkpointing: bool = False
+    # torch.compile the trunk (see compile_scope, compile_mode)
     compile: bool = False
     # torch.compile mode of the trunk in a single process: "default", "reduce-overhead"
     # (CUDA graphs: one recording per distinct micro-batch shape), or "max-autotune" (CUDA
@@ -145,6 +158,7 @@ class TrainerConfig:
     keep_reference: bool | None = None
     # reporting: peak FLOP/s of one device (0 disables MFU, e.g. on CPU)
     peak_flops: float = 0.0
+    # seeds the shuffle of mini-batches (replay stays exact)
     seed: int = 0
 
     @classmethod

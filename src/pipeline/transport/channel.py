@@ -31,6 +31,7 @@ class ChannelConfig:
     prefetch: int = 8
     # items a producer holds before `send` waits (backpressure to the caller)
     max_pending: int = 64
+    # seconds between heartbeats on an idle link
     heartbeat_s: float = 0.5
     # a peer silent this long is dead: its unacknowledged items go to another consumer
     peer_timeout_s: float = 5.0

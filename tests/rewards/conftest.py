@@ -24,3 +24,12 @@ def gsm8k_test_rows() -> list[dict[str, str]]:
 def user_rewards() -> Path:
     """A file of user reward functions (good, raising, hanging, crashing) for the scorer."""
     return USER_REWARDS
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_symbolic_checker():
+    """The math verifier's symbolic check starts a worker process on first use; end it by pid."""
+    yield
+    from pipeline.rewards.math_equiv import close_symbolic_checker
+
+    close_symbolic_checker()

@@ -9,6 +9,7 @@ MODULES = [
     "pipeline.rewards.scorer",
     "pipeline.rewards.gsm8k",
     "pipeline.rewards.math_equiv",
+    "pipeline.rewards.symbolic",
     "pipeline.rewards.format",
     "pipeline.data.loader",
     "pipeline.data.cursor",

@@ -2,16 +2,27 @@ r"""Equivalence of free-form math answers (MATH-style `\boxed{...}`).
 
 Exact string match under-credits correct answers written differently (`\frac12`, `1/2`, `0.5`,
 `\left(`, `5 dollars`), so both sides are normalised to one spelling, and answers that are both
-plain numbers are compared as exact fractions. Anything not numeric falls back to the
-normalised string; there is no symbolic algebra here, by design (fast, dependency-free).
+plain numbers are compared as exact fractions. That fast path decides most pairs in
+microseconds. Only when it finds the answers different and they are not both plain numbers
+does a symbolic check run (math-verify: `2\sqrt2` == `\sqrt8`, `(x+1)^2` == `x^2+2x+1`, sets
+in any order), in a worker process that is killed when the check exceeds its time limit, so
+adversarial input costs at most that limit (see `symbolic`).
 """
 
 from __future__ import annotations
 
 import ast
+import atexit
+import contextlib
+import os
 import re
+import threading
 from fractions import Fraction
 from typing import Any
+
+from pipeline.errors import PipelineError
+
+SYMBOLIC_TIMEOUT_S = 2.0
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _NUMBER = re.compile(r"-?\$?(?:[0-9][0-9,]*(?:\.[0-9]*)?|\.[0-9]+)")
@@ -45,6 +56,19 @@ _ESCAPED_BRACES = (("\\{", "{"), ("\\}", "}"))
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _SHORT_LHS = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*=(?!=)")
 _SIMPLE_OPERAND = re.compile(r"^-?[^+\-*/^()\s]+$")
+# `$...$` or `\(...\)` in running text; a `$` next to a space is a price, not math.
+_INLINE_MATH = re.compile(
+    r"(?<![\\$])(\$\$?)(?=[^\s$])((?:\\.|[^$\\])+?)(?<=\S)\1|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.S
+)
+# Sums and products of plain numbers: the work, not the value the task asks for.
+_ARITHMETIC = re.compile(r"[-+]?\(?[0-9.]+\)?(?:(?:[-+*]|\\cdot|\\times)[-+]?\(?[0-9.]+\)?)+")
+_MAX_SYMBOLIC_CHARS = 1000
+_SYMBOLIC_SPEC = "pipeline.rewards.symbolic:equal"
+_SYMBOLIC_STARTUP_S = 60.0
+
+
+class SymbolicCheckError(PipelineError):
+    """The symbolic checker's worker cannot run (math-verify missing, or it crashed)."""
 
 
 def _read_group(s: str, i: int) -> tuple[str, int] | None:
@@ -85,12 +109,17 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract_math_answer(text: str) -> str | None:
-    r"""The boxed answer if there is one, else the last number, else None."""
+    r"""The boxed answer if there is one, else the last `$...$` math (unless a number follows
+    it in the text), else the last number, else None."""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    numbers = [n for n in _NUMBER.findall(text) if any(c.isdigit() for c in n)]
-    return numbers[-1].rstrip(".,") if numbers else None
+    spans = list(_INLINE_MATH.finditer(text))
+    numbers = [m for m in _NUMBER.finditer(text) if any(c.isdigit() for c in m.group(0))]
+    if spans and (not numbers or numbers[-1].start() < spans[-1].end()):
+        last = spans[-1]
+        return next(g for g in last.groups()[1:] if g is not None).strip()
+    return numbers[-1].group(0).rstrip(".,") if numbers else None
 
 
 def _unwrap_text(s: str) -> str:
@@ -199,8 +228,14 @@ def _eval_quotient(node: ast.AST) -> Fraction:
     raise ValueError("not a quotient of numbers")
 
 
-def is_equiv(answer: str | None, reference: str | None) -> bool:
-    """Whether two answer strings mean the same thing under normalisation."""
+def is_equiv(
+    answer: str | None, reference: str | None, symbolic_timeout_s: float = SYMBOLIC_TIMEOUT_S
+) -> bool:
+    """Whether two answer strings mean the same thing.
+
+    Normalised strings and exact numbers first; then, unless `symbolic_timeout_s` is 0, the
+    symbolic check, which counts as "not equal" when it takes longer than that.
+    """
     if answer is None or reference is None:
         return False
     a, b = normalize_math_answer(answer), normalize_math_answer(reference)
@@ -209,23 +244,138 @@ def is_equiv(answer: str | None, reference: str | None) -> bool:
     if a == b:
         return True
     fa, fb = _as_fraction(a), _as_fraction(b)
-    return fa is not None and fb is not None and fa == fb
+    if fa is not None and fb is not None:
+        return fa == fb
+    if _is_arithmetic_for_a_number(a, fb) or _is_arithmetic_for_a_number(b, fa):
+        return False
+    if symbolic_timeout_s <= 0 or max(len(answer), len(reference)) > _MAX_SYMBOLIC_CHARS:
+        return False
+    return _CHECKER.equal(answer.strip(), reference.strip(), symbolic_timeout_s)
 
 
-def compute_score(solution_str: str, ground_truth: str, score: float = 1.0) -> float:
+def _is_arithmetic_for_a_number(side: str, other: Fraction | None) -> bool:
+    return other is not None and _ARITHMETIC.fullmatch(side) is not None
+
+
+class _SymbolicChecker:
+    """`symbolic.equal` in one reward worker process, started on first use.
+
+    A check that runs past its limit is abandoned by killing the worker by pid (the scorer's
+    worker, whose restart does not count against any check); a hung sympy call cannot be
+    interrupted any other way.
+    """
+
+    def __init__(self, spec: str = _SYMBOLIC_SPEC) -> None:
+        self._spec = spec
+        self._lock = threading.Lock()
+        self._worker: Any = None
+        self._owner_pid = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's pid, None before first use; it changes when a worker is replaced."""
+        worker = self._worker
+        return worker.pid if worker is not None and self._owner_pid == os.getpid() else None
+
+    def equal(self, answer: str, reference: str, timeout_s: float) -> bool:
+        from pipeline.rewards.scorer import _Worker, _WorkerLost, _WorkerTimeout
+        from pipeline.rewards.types import ScoreItem
+
+        with self._lock:
+            if self._worker is None or self._owner_pid != os.getpid():  # none, or forked
+                self._worker = _Worker([self._spec], _SYMBOLIC_STARTUP_S)
+                self._owner_pid = os.getpid()
+            worker = self._worker
+            try:
+                load_errors = worker.hello().load_errors
+            except _WorkerLost as exc:
+                self._drop()
+                raise SymbolicCheckError(f"the symbolic math checker did not start: {exc}") from exc
+            if load_errors:
+                self._drop()
+                raise SymbolicCheckError(
+                    f"the symbolic math checker cannot load: {load_errors[self._spec]}; "
+                    "install the project's dependencies (`pip install -e .` brings math-verify)"
+                )
+            item = ScoreItem("symbolic", "math", answer, reference)
+            try:
+                reply = worker.call(item, self._spec, timeout_s)
+            except _WorkerTimeout:
+                self._restart(worker)
+                _logger().warning(
+                    "symbolic math check timed out; counted as not equal",
+                    timeout_s=timeout_s,
+                    answer=answer[:80],
+                    reference=reference[:80],
+                )
+                return False
+            except _WorkerLost as exc:
+                self._restart(worker)
+                raise SymbolicCheckError(f"the symbolic math checker died: {exc}") from exc
+        # An exception inside math-verify means it could not read an answer: not equal.
+        return reply.error is None and reply.score == 1.0
+
+    def _restart(self, worker: Any) -> None:
+        worker.kill()
+        with contextlib.suppress(OSError):  # the next call retries the start
+            worker.start()
+
+    def _drop(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.kill()
+
+    def close(self) -> None:
+        """Kill the worker by pid; safe to call more than once, and a no-op in a forked child."""
+        with self._lock:
+            if self._owner_pid == os.getpid():
+                self._drop()
+
+
+def _logger() -> Any:
+    from pipeline.log import get_logger
+
+    return get_logger("rewards.math")
+
+
+_CHECKER = _SymbolicChecker()
+atexit.register(_CHECKER.close)
+
+
+def close_symbolic_checker() -> None:
+    """Stop the symbolic checker's worker process now (it starts again when needed)."""
+    _CHECKER.close()
+
+
+def symbolic_checker_pid() -> int | None:
+    """Pid of the symbolic checker's worker process, None while none runs."""
+    return _CHECKER.pid
+
+
+def compute_score(
+    solution_str: str,
+    ground_truth: str,
+    score: float = 1.0,
+    symbolic_timeout_s: float = SYMBOLIC_TIMEOUT_S,
+) -> float:
     r"""`score` when the solution's final answer equals the ground truth, else 0.
 
     The ground truth may itself be a worked solution containing `\boxed{...}`.
     """
     reference = last_boxed(ground_truth)
     reference = ground_truth if reference is None else reference
-    return score if is_equiv(extract_math_answer(solution_str), reference) else 0.0
+    answer = extract_math_answer(solution_str)
+    return score if is_equiv(answer, reference, symbolic_timeout_s) else 0.0
 
 
 def reward_fn(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None
 ) -> float:
-    """Registry entry; `extra_info` may set `score`."""
+    """Registry entry; `extra_info` may set `score` and `symbolic_timeout_s` (0: no symbolic)."""
+    info = extra_info or {}
     return compute_score(
-        solution_str, str(ground_truth), float((extra_info or {}).get("score", 1.0))
+        solution_str,
+        str(ground_truth),
+        float(info.get("score", 1.0)),
+        float(info.get("symbolic_timeout_s", SYMBOLIC_TIMEOUT_S)),
     )

@@ -204,7 +204,8 @@ class RewardScorer:
     `rewards` is one reward spec for every sample, or a map from `data_source` to spec with an
     optional `"*"` fallback; a spec is a built-in name (see `registry.available()`) or a user
     function `module:function` / `path/to/file.py:function`. Built-ins run inline and are not
-    time-limited; user functions run in `num_workers` worker processes with `timeout_s` each.
+    time-limited (the math built-in bounds its symbolic check itself, in a worker of its own);
+    user functions run in `num_workers` worker processes with `timeout_s` each.
     """
 
     def __init__(

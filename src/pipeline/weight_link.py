@@ -65,6 +65,7 @@ def publish_config(config: PipelineConfig) -> Any:
         striped=section.striped,
         transport="cuda_ipc" if shared else "auto",
         timeouts=SyncTimeouts(
+            group_s=section.group_timeout_s,
             meta_s=section.meta_timeout_s,
             bucket_s=section.bucket_timeout_s,
             apply_s=section.apply_timeout_s,

@@ -426,7 +426,8 @@ def _recorded(path: Path) -> int:
 def _pause_rollout(
     seconds: float, at_groups: int
 ) -> Callable[[subprocess.Popen[bytes], Path], None]:
-    """SIGSTOP rollout replica 1 once the learner holds `at_groups` groups (a step's worth:
+    """SIGSTOP rollout replica 1 once both engines are in the weight group and the learner
+    holds `at_groups` more groups (a step's worth:
     it trains and publishes next, while the replica has nothing of that step left), for
     longer than the sync's deadlines: the publishes meanwhile leave it out (replica 0 keeps
     the run going where the bound lets it), so what it generates after waking up is
@@ -436,7 +437,13 @@ def _pause_rollout(
         from .test_chaos import _children
 
         deadline = time.monotonic() + 240
-        while _recorded(run_dir / "queues/scored.log") < at_groups:
+        log = run_dir / "logs/learner-0.log"
+        # both engines in the weight group (a late registration rebuilds it, which waits)
+        while '"engines": 2' not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        until = at_groups + _recorded(run_dir / "queues/scored.log")
+        while _recorded(run_dir / "queues/scored.log") < until:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.005)
         pid = next(
@@ -460,14 +467,17 @@ def case_staleness(tmp_path: Path, bound: int) -> None:
             "controller.max_staleness": str(bound),
             "controller.steps": "12",
             "services.rollout.replicas": "2",
+            "learner.weights.group_timeout_s": "2",
             "learner.weights.meta_timeout_s": "1",
             "learner.weights.bucket_timeout_s": "1",
             "learner.weights.apply_timeout_s": "1",
             # a paused replica is slow, not dead: its prompts stay with it
             "queues.channel.peer_timeout_s": "60",
+            # a step of several epochs: the pause lands before its publish even when this
+            # machine is busy and the watch loop late
+            "learner.trainer.ppo_epochs": "6",
         },
-        # past the first publish, which builds the weight group (a rendezvous of its own)
-        during=_pause_rollout(8.0, at_groups=4 * (bound + 2)),
+        during=_pause_rollout(8.0, at_groups=4 * (bound + 1)),
     )
     worst = _versions_within_bound(run, bound)
     assert run.summary["dropped"] > 0, run.summary

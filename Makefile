@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# the CPU build of torch lies on this machine's disk; a plain `torch` would pull a CUDA build
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[test,report]"
+	$(BIN)/python -m pip install -q -e ".[test]"
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -120,4 +120,10 @@ class LearnerWorker:
             self.publisher.close()  # rank 0's closes with its hub (LearnerWeights)
         if self.trainer.step > 0:
             self.save(extra)
-            self.trainer.export_hf(Path(self.ctx.run_dir) / "final_model")
+            final = Path(self.ctx.run_dir) / "final_model"
+            self.trainer.export_hf(final)
+            if self.trainer.info.rank == 0:
+                from pipeline.tasks import model_dir
+                from pipeline.training.export import complete_hf_dir
+
+                complete_hf_dir(model_dir(self.config, Path(self.ctx.run_dir)), final)

@@ -48,6 +48,7 @@ from pipeline.runtime.journal import (
     step_key,
 )
 from pipeline.runtime.service import MetricsWriter
+from pipeline.step_log import StepLog
 from pipeline.transport import ControlServer, QueueServer
 from pipeline.transport.control import PeerEvent
 
@@ -163,15 +164,8 @@ class Controller:
             complete_lines(metrics / "steps.jsonl"),
             complete_lines(self.run_dir / "schedule.jsonl"),
         )
-        self.steps_log = MetricsWriter(metrics / "steps.jsonl")
         self.service_metrics = MetricsWriter(metrics / "services.jsonl")
         self.schedule = MetricsWriter(self.run_dir / "schedule.jsonl")
-        # a step journaled just before the kill may be missing from the metrics files
-        rows = [row for entry in self.state.steps for row in schedule_rows(entry)]
-        for row in rows[written[1] :]:
-            self.schedule.write(row)
-        for entry in self.state.steps[written[0] :]:
-            self.steps_log.write(entry["line"])
         self.journal = Journal(self.journal_path)
         self.record(
             {
@@ -181,6 +175,19 @@ class Controller:
                 "pid": os.getpid(),
             }
         )
+        self.steps_log = StepLog(
+            self.run_dir,
+            self.config.metrics,
+            written=written[0],
+            run_id=self.run_id,
+            run_config=json.loads(config_to_json(self.config)),
+        )
+        # a step journaled just before the kill may be missing from the metrics files
+        rows = [row for entry in self.state.steps for row in schedule_rows(entry)]
+        for row in rows[written[1] :]:
+            self.schedule.write(row)
+        for entry in self.state.steps[written[0] :]:
+            self.steps_log.write(entry["line"])
         if recovered is not None:
             self.log.warning(
                 "controller_resumed",
@@ -421,6 +428,7 @@ class Controller:
         await control.close()
         assert self.journal is not None
         self.journal.close()
+        self.steps_log.close()
         self.log.info("run_finished", **summary)
         return summary
 

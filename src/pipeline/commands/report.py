@@ -55,18 +55,6 @@ def write_plots(run_dir: Path, out: Path) -> list[Path]:
     return written
 
 
-def write_tensorboard(run_dir: Path, out: Path) -> Path:
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(log_dir=str(out))
-    for record in steps_of(run_dir):
-        for key, value in record.items():
-            if isinstance(value, int | float) and key not in ("step", "time"):
-                writer.add_scalar(key, value, record["step"])
-    writer.close()
-    return out
-
-
 def write_trace(run_dir: Path, out: Path) -> Path:
     """Chrome trace-event JSON (opens in Perfetto): one track per service replica."""
     events: list[dict[str, Any]] = []
@@ -110,7 +98,7 @@ def make_report(run_dir: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(run_dir, out)
     trace = write_trace(run_dir, out)
-    tensorboard = write_tensorboard(run_dir, run_dir / "tensorboard")
+    tensorboard = run_dir / "tensorboard"  # written live by the controller (step_log.py)
     steps = steps_of(run_dir)
     first = [s["reward_mean"] for s in steps[:10] if "reward_mean" in s]
     last = [s["reward_mean"] for s in steps[-10:] if "reward_mean" in s]

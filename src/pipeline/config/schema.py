@@ -277,6 +277,29 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    # live TensorBoard events of every step in runs/<name>/tensorboard/
+    tensorboard: bool = True
+    # every step's metrics to Weights & Biases too (needs the wandb package: the `wandb`
+    # extra); "offline" writes the run under runs/<name>/wandb/ for `wandb sync` later
+    wandb: bool = False
+    # the W&B project the run is logged in
+    wandb_project: str = "asyncrl"
+    # offline (no network; `wandb sync` later) or online
+    wandb_mode: Literal["offline", "online"] = "offline"
+
+    def validate(self) -> None:
+        if self.wandb:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError(
+                    "metrics.wandb = true needs the wandb package: pip install "
+                    "'asyncrl-pipeline[wandb]' (or set metrics.wandb = false)"
+                )
+
+
+@dataclass(frozen=True)
 class SupervisorConfig:
     # restarts of one service before the run ends
     max_restarts: int = 3
@@ -309,6 +332,7 @@ class PipelineConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     def validate(self) -> None:

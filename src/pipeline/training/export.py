@@ -46,3 +46,40 @@ def export_hf(
             twin.tie_weights()
         save_model(twin, path)
     barrier()
+
+
+# the tokenizer's files as transformers writes them (any that the source directory has)
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+
+
+def complete_hf_dir(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> None:
+    """Make an exported checkpoint self-contained: the tokenizer files of the model it
+    was trained from, and a generation config (the source's, or one with the tokenizer's
+    special tokens), so that transformers and vLLM load `out` alone."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    src, dst = Path(source), Path(out)
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    if (src / "generation_config.json").is_file():
+        shutil.copy2(src / "generation_config.json", dst / "generation_config.json")
+        return
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(dst)

@@ -1,0 +1,75 @@
+"""Where each finished step's metrics go, as it finishes: `metrics/steps.jsonl`, live
+TensorBoard events (`tensorboard/`) and, when enabled, Weights & Biases.
+
+One writer, in the controller. A controller that restarts writes again the steps its
+journal has and the files lack; TensorBoard is told to drop what an earlier incarnation
+wrote from that step on (`purge_step`), so no step shows twice.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from pipeline.config.schema import MetricsConfig
+from pipeline.runtime.service import MetricsWriter
+
+
+class StepLog:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: MetricsConfig,
+        *,
+        written: int,
+        run_id: str,
+        run_config: dict[str, Any],
+    ) -> None:
+        """`written`: steps already in steps.jsonl (a restart goes on from there)."""
+        self.lines = MetricsWriter(run_dir / "metrics" / "steps.jsonl")
+        self.tensorboard = None
+        if config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(
+                log_dir=str(run_dir / "tensorboard"), purge_step=written or None
+            )
+        self.wandb = None
+        if config.wandb:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=config.wandb_project,
+                name=run_dir.name,
+                id=run_id,
+                resume="allow",
+                dir=str(run_dir),
+                mode=config.wandb_mode,
+                config=run_config,
+            )
+
+    def write(self, line: dict[str, Any]) -> None:
+        self.lines.write(line)
+        step = int(line["step"])
+        scalars = {
+            k: float(v)
+            for k, v in line.items()
+            if isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and k not in ("step", "time")
+            and math.isfinite(float(v))
+        }
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()  # readable while the run goes on
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.lines.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()

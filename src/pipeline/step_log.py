@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config.schema import MetricsConfig
+from pipeline.log import get_logger
 from pipeline.runtime.service import MetricsWriter
 
 
@@ -30,11 +31,18 @@ class StepLog:
         self.lines = MetricsWriter(run_dir / "metrics" / "steps.jsonl")
         self.tensorboard = None
         if config.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(
-                log_dir=str(run_dir / "tensorboard"), purge_step=written or None
-            )
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:  # a host without the package (an offline GPU host)
+                get_logger("step_log").warning(
+                    "no_tensorboard_events",
+                    error=str(exc),
+                    hint="install tensorboard, or set metrics.tensorboard = false",
+                )
+            else:
+                self.tensorboard = SummaryWriter(
+                    log_dir=str(run_dir / "tensorboard"), purge_step=written or None
+                )
         self.wandb = None
         if config.wandb:
             import wandb

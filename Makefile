@@ -10,7 +10,7 @@ GPU_PY ?= python3
 GPU_SITE ?= /tmp/pipeline-site
 
 .PHONY: venv run-cluster test test-slow test-all lint bench-transport bench-e2e bench-weight-sync bench replay inspect report \
-        test-gpu bench-gpu test-vllm clean
+        gpu-wheels test-gpu bench-gpu test-vllm clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -56,6 +56,14 @@ report: $(STAMP)
 	$(BIN)/pipeline report $(ARGS)
 
 # --- GPU host (no venv: that host's python3 holds torch; wheels carried in .whl) ---
+# run here, where a package index is reachable: the pure/abi3 wheels the GPU host lacks,
+# for its CPython 3.12 on x86-64 Linux
+GPU_WHEELS ?= pyzmq msgspec structlog pytest-asyncio
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform any -d .whl $(GPU_WHEELS)
+
 $(GPU_SITE)/.installed:
 	$(GPU_PY) -m pip install -q --no-index --no-deps --target $(GPU_SITE) .whl/*.whl
 	@touch $@

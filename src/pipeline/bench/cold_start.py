@@ -6,7 +6,7 @@ step and to step 10, with a fresh compile cache and then with the cache of that 
         [--json OUT] [--section.key VALUE ...]
 
 Each (variant, cache) is one real `pipeline run` of `--steps` steps of the profile with a
-random model of `--shape` (BENCHMARKS.md): `grpo` without the critic, `ppo` the profile's
+random model of `--shape` (docs/performance.md): `grpo` without the critic, `ppo` the profile's
 KL-PPO with the critic. `cold` starts from an empty `run.compile_cache_dir`, `warm` from
 the one the cold run of the same variant filled; the warm figure's baseline is the cold
 one. Recompiles after the warm-up are each step's `compile/recompiles` (learner) and

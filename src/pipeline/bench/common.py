@@ -1,4 +1,4 @@
-"""The figure format every bench shares (see BENCHMARKS.md), built, printed and written once.
+"""The figure format every bench shares (see docs/performance.md), built, printed and written once.
 
 A figure is only worth quoting next to the baseline and the bound measured in the same run,
 with the commit, the device and the config that produced it; building all of them here

@@ -9,7 +9,7 @@ slower of generation and training alone, estimated from the sync run's own spans
 seconds of the rollout service and of the learner per step). The idle share of each side
 is 1 - busy / wall over the steady part of the run.
 
-`--shape` runs a randomly initialised model of that standard shape (BENCHMARKS.md) with the
+`--shape` runs a randomly initialised model of that standard shape (docs/performance.md) with the
 profile's task and the char-level tokenizer instead of the generated tiny model, no warm
 start: the rewards mean nothing then, the work per step (every sample runs to
 max_new_tokens) is what is measured.

@@ -22,7 +22,7 @@ launch cost is not in it (a plain launch loop measured ~68 us a call for ~22 us 
 the median of `--repeats` replays. The step's time in each op is in the learner bench's
 `--torch-profile` trace; this bench says how far each kernel is from the bandwidth and from
 what inductor makes of the formula.
-Prints a table, then one JSON object per figure (see BENCHMARKS.md).
+Prints a table, then one JSON object per figure (see docs/performance.md).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ MFU = model FLOPs per token * tokens / seconds / peak (989e12 bf16 dense on an H
 measured matmul rate), with model FLOPs per token = 6 * params + 6 * layers * (heads *
 head_dim) * seq: the weights' matmuls plus causal attention (QK^T and AV over half the
 score matrix, forward and backward), the definition of the PaLM paper with the causal half
-and the one behind the reference figures of BENCHMARKS.md (transformers compiled at 131k
+and the one behind the reference figures of docs/performance.md (transformers compiled at 131k
 tokens/s = 40.2 %). `mfu_6n` (weights only) is reported next to it. The proximal forward
 is not counted. Our trainer sends only the positions that predict response tokens through
 the output layer (the loss reads nothing else), so its step executes fewer FLOPs than the
@@ -47,7 +47,7 @@ On CUDA a thread samples the GPU's SM clock, power and clock-limit reasons throu
 every 10 ms (bench/gpu_clocks.py): the JSON gives each consecutive step its clock
 (`clock_consecutive`) and each system's median step among those run wholly at the run's top
 clock (`at_top_clock`), since an H200 at its 700 W cap lowers the clock under this load.
-Prints a table, then one JSON object per figure (see BENCHMARKS.md).
+Prints a table, then one JSON object per figure (see docs/performance.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ In the same run:
              forward (CUDA only; on CPU the static cache runs eager)
   bound      bytes that one decode step must read (every weight once, plus each sample's
              cached keys and values) over the device-to-device copy bandwidth measured here
-Prints a table, then one JSON object per figure (see BENCHMARKS.md).
+Prints a table, then one JSON object per figure (see docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Model shapes of the standard benchmarks (BENCHMARKS.md): random weights, real sizes."""
+"""Model shapes of the standard benchmarks (docs/performance.md): random weights, real sizes."""
 
 from __future__ import annotations
 

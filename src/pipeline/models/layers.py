@@ -218,5 +218,5 @@ class SwiGLU(nn.Module):
             weight = AdjacentRows.apply(*pair) if self.adjacent else torch.cat(pair)
             return self.down_proj(swiglu_packed(F.linear(x, weight)))
         # two GEMMs and inductor's SwiGLU: with one concatenated weight the compiled backward
-        # wrote d(gate, up) through the split's view at 2.5 instead of 4.4 TB/s on an H200
+        # writes d(gate, up) through the split's view, much slower (docs/performance.md)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -30,9 +30,8 @@ try:
 except ImportError:  # CPU installs: the torch version serves
     triton = None  # type: ignore[assignment]
 
-# vocabulary entries per inner step of the statistics kernel, and its warps: with the next
-# block's load issued before the current one is reduced, 403 us for 4096 rows of the 152k
-# vocabulary on an H200 (3.1 TB/s) against 473 us for 4096 x 8 warps without it (CUDA graph)
+# vocabulary entries per inner step of the statistics kernel, and its warps; the next
+# block's load is issued before the current one is reduced (faster: docs/performance.md)
 BLOCK = 2048
 STATS_WARPS = 4
 GRAD_BLOCK = 4096  # vocabulary entries per program of the gradient kernel

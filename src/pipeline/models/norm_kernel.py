@@ -37,10 +37,8 @@ except ImportError:  # CPU installs: the torch formula serves
     triton = None  # type: ignore[assignment]
 
 # backward: programs (each keeps a partial weight gradient), rows per step of each, warps;
-# then the partial weight gradients' sum: columns per program, partial rows per step. On an
-# H200 (8192 x 896 bf16, residual added, device time in a CUDA graph): 22.1 us with these
-# against 29.2 us for one row a step over 1024 programs and ATen's sum and cast, and 34.1 us
-# for that tiling with this sum; 4 rows a step 25.1 us; 8 warps no better
+# then the partial weight gradients' sum: columns per program, partial rows per step (the
+# fastest tiling measured on an H200: docs/performance.md)
 ROW_PROGRAMS = 264
 ROWS = 8
 BACKWARD_WARPS = 4

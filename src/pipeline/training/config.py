@@ -151,7 +151,7 @@ class TrainerConfig:
     uniform_attention: bool = True
     # tied embeddings in one process: the embedding's gradient rows are added into the
     # output layer's gradient in place (models/tied_embedding.py) instead of a dense table
-    # gradient that autograd adds to it (~0.5 ms of an H200's 0.5B learner step). Not with
+    # gradient that autograd adds to it (docs/performance.md). Not with
     # trunk_graphs (its graphs take token ids) nor under FSDP (dense, as nn.Embedding)
     tied_grad_rows: bool = True
     # reference model: None keeps one only when the algorithm needs it (KL loss / reward)

@@ -49,13 +49,11 @@ except ImportError:  # CPU installs
     triton = None  # type: ignore[assignment]
 
 ALIGN = 64  # elements: every view starts 256 B (float32) / 128 B (bfloat16) aligned
-# elements per program of the AdamW kernels (8 warps): the 0.5B model's update (bf16 first
-# moment, 24 bytes a parameter) in 2.86 ms on an H200 at 1024, 3.11 ms at 2048, 4.17 ms at
-# 8192 (CUDA graph, one table-kernel call)
+# elements per program of the AdamW kernels (8 warps): the fastest measured on an H200
+# (docs/performance.md)
 BLOCK = 1024
-# table blocks per program of the norm kernel: 32 x 1024 elements x 4 warps read the 0.5B
-# model's bf16 gradients in 322 us on an H200 (16 x 2048: 327 us; one block of 2048 x 8
-# warps: 377 us, its programs too short)
+# table blocks per program of the norm kernel: fewer, longer programs read the gradients
+# fastest (measured: docs/performance.md)
 NORM_GROUP = 32
 _VECTOR = 8  # 16-byte vectors of 2-byte gradients
 

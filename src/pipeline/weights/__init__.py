@@ -1,6 +1,6 @@
 """Weight sync: the learner publishes new weights to rollout engines in resharded buckets.
 
-See `publisher.py` (learner), `receiver.py` (engine) and ARCHITECTURE.md "Weight sync".
+See `publisher.py` (learner), `receiver.py` (engine) and docs/architecture.md.
 """
 
 from pipeline.weights.config import GroupOptions, PublishConfig, SyncTimeouts

@@ -86,7 +86,11 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	# PyPI's torchvision fails against that torch build ('operator torchvision::nms does not exist')
 	-$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/python -m pip install -q pyzmq msgspec uvloop structlog rich safetensors tokenizers pytest pytest-asyncio hypothesis
+	# the project's own pins (its core and test dependencies), but torch and triton: vLLM's
+	$(VLLM_VENV)/bin/python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	  print('\n'.join(d for d in p['dependencies'] + p['optional-dependencies']['test'] \
+	  if not d.startswith(('torch', 'triton'))))" > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_VENV)/requirements.txt
 	@touch $@
 
 test-vllm: $(VLLM_VENV)/.installed

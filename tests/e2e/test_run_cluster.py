@@ -65,6 +65,16 @@ def test_run_starts_five_processes_ends_by_itself_and_accounts_for_every_uid(sta
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
 
 
+
+def test_services_start_while_the_controller_prepares(standin_run):
+    """Every service is launched with the controller, not once it has prepared the run
+    (`run.json`): their imports and model loads overlap its preparation."""
+    supervisor = json.loads((standin_run / "supervisor.json").read_text())
+    starts = {e["service"]: e["time"] for e in supervisor["events"] if "started" in e}
+    prepared = (standin_run / "run.json").stat().st_mtime
+    assert len(starts) >= 5
+    assert all(t < prepared for t in starts.values()), (starts, prepared)
+
 def test_inspect_reads_the_run_and_exports(standin_run, tmp_path):
     out_jsonl, out_parquet = tmp_path / "scored.jsonl", tmp_path / "scored.parquet"
     proc = subprocess.run(

@@ -50,7 +50,7 @@ def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
 
     args, config = service_args(role, argv)
     pin_devices(config, role, args.replica)
-    compile_caches(config)
+    compile_caches(config, on_gpu=bool(config.devices(role, args.replica)))
     link = ranks.join(config, role, args.replica)
     if link is not None and not link.is_leader:
         released = follow(
@@ -89,9 +89,13 @@ def _exit(code: int, ranks: Any = None) -> NoReturn:
     os._exit(code)
 
 
-def compile_caches(config: PipelineConfig) -> None:
+def compile_caches(config: PipelineConfig, *, on_gpu: bool = False) -> None:
     """Point torch.compile's caches at `run.compile_cache_dir` (before anything compiles),
-    unless the environment already says where they go."""
+    unless the environment already says where they go. On a GPU, the few CPU kernels of a
+    compiled graph are not vectorised: inductor would otherwise probe every CPU ISA in
+    each process by building and loading a test library (~40 s of an H200 host's start)."""
+    if on_gpu:
+        os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
     root = config.run.compile_cache_dir
     if not root:
         return

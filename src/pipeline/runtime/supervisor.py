@@ -30,6 +30,9 @@ from pipeline.config.schema import ROLES, TRAINER_ROLES
 from pipeline.log import get_logger
 from pipeline.runtime import layout
 
+# the longest a controller may take to prepare a run (a tiny model's warm start included)
+PREPARE_TIMEOUT_S = 900.0
+
 
 @dataclass
 class Child:
@@ -67,6 +70,7 @@ class Supervisor:
         ]
         self.log = get_logger("supervisor")
         self._stopping = False
+        self._prepared = False
         self.events: list[dict[str, Any]] = []
 
     def _argv(self, child: Child) -> list[str]:
@@ -74,6 +78,10 @@ class Supervisor:
         args += ["--profile", self.profile, "--replica", str(child.replica)]
         for key, value in self.overrides.items():
             args += [f"--{key}", value]
+        if child.role != "controller":
+            # started beside a controller that answers once it has prepared the run
+            wait = max(self.config.run.handshake_timeout_s, PREPARE_TIMEOUT_S)
+            args += ["--run.handshake_timeout_s", str(wait)]
         return args
 
     def start(self, child: Child) -> None:
@@ -150,19 +158,14 @@ class Supervisor:
         self.start(child)
         return True
 
-    def _wait_controller_ready(self, child: Child, timeout_s: float = 900.0) -> None:
-        """The controller prepares the run (data, tokenizer, the tiny model and its warm
-        start) before it answers hellos; start the others once it wrote `run.json`."""
+    def _note_prepared(self) -> None:
+        """Once the controller has prepared the run (`run.json`): say what it dropped."""
         marker = self.run_dir / "run.json"
-        deadline = time.monotonic() + timeout_s
-        assert child.proc is not None
-        while not marker.exists() and time.monotonic() < deadline:
-            if child.proc.poll() is not None:
-                return  # it failed: the main loop reports it
-            time.sleep(0.1)
-        time.sleep(0.2)  # run.json is written just before the control socket binds
+        if self._prepared or not marker.exists():
+            return
         with contextlib.suppress(OSError, ValueError):
             dropped = json.loads(marker.read_text()).get("dropped_long_prompts", 0)
+            self._prepared = True
             if dropped:
                 print(
                     f"note: {dropped} prompts longer than task.max_prompt_tokens = "
@@ -186,11 +189,12 @@ class Supervisor:
         progress = _Progress(self.run_dir, self.config) if self.show_progress else None
         code = 1
         try:
+            # all at once: the services import and start up while the controller prepares
+            # the run (data, tokenizer, a tiny model's warm start); their hello waits for it
             for child in self.children:
                 self.start(child)
-                if child.role == "controller":
-                    self._wait_controller_ready(child)
             while not interrupted:
+                self._note_prepared()
                 if progress is not None:
                     progress.update()
                 keep_going = True

@@ -20,7 +20,7 @@ from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp
 from pipeline.runtime.ranks import decode_groups
 from pipeline.samples import GroupArrays
-from pipeline.trainer_setup import batch_from_groups, compile_counts, reference_config, warm_up
+from pipeline.trainer_setup import Recompiles, batch_from_groups, reference_config, warm_up
 
 ANNOTATED = ("values", "advantages", "returns", "rewards")
 # what a group carries on from the critic's own metrics (GroupArrays.stats)
@@ -45,7 +45,7 @@ class CriticWorker:
         self.trainer: Any = None
         self.reference: Any = None
         self.kl_ctrl: Any = None
-        self._frames = 0.0  # frames compiled by the end of the warm-up
+        self.recompiles = Recompiles()
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""
@@ -84,7 +84,7 @@ class CriticWorker:
         log_sharding(self.log, self.trainer)
         # now, before the first group: every service warms up at once
         warm_up(self.log, self.config, [self.trainer, self.reference])
-        self._frames = compile_counts()["compile/frames"]
+        self.recompiles.mark()
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)
             self.steps = int(loaded.extra.get("steps", loaded.step))
@@ -118,8 +118,7 @@ class CriticWorker:
             for uid, array in zip(batch.uids, batch.unpad(name), strict=True):
                 by_uid[uid].extra[name] = np.asarray(array, np.float32)
         group.stats.update({k: float(metrics[k]) for k in _GROUP_STATS if k in metrics})
-        frames = compile_counts()["compile/frames"]
-        group.stats["critic/recompiles"] = frames - self._frames
+        group.stats["critic/recompiles"] = self.recompiles.since()
         group.stats.update(self.last_update)
         self._seen.append(group)
         if len(self._seen) >= self.config.controller.prompts_per_step:

@@ -46,6 +46,19 @@ def compile_counts() -> dict[str, float]:
     }
 
 
+class Recompiles:
+    """Frames this process compiled since `mark()` (after its warm-up): recompiles."""
+
+    def __init__(self) -> None:
+        self.base = 0.0
+
+    def mark(self) -> None:
+        self.base = compile_counts()["compile/frames"]
+
+    def since(self) -> float:
+        return compile_counts()["compile/frames"] - self.base
+
+
 def compile_report() -> dict[str, Any]:
     """Where a warm-up's compile time went (dynamo's seconds per phase) and what the
     caches gave (inductor's FX graph and AOTAutograd cache hits, misses, bypasses)."""
@@ -141,11 +154,16 @@ def batch_from_groups(groups: list[GroupArrays]) -> ExperienceBatch:
 
 
 def group_stats(groups: list[GroupArrays]) -> dict[str, float]:
-    """Each stage's per-group measurements (`GroupArrays.stats`), averaged over groups."""
+    """Each stage's per-group measurements (`GroupArrays.stats`), averaged over groups; a
+    recompile count (`*/recompiles`, cumulative in its process) is the largest."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for group in groups:
         for key, value in group.stats.items():
+            if key.endswith("/recompiles"):
+                sums[key] = max(sums.get(key, 0.0), float(value))
+                counts[key] = 1
+                continue
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
     return {key: sums[key] / counts[key] for key in sums}

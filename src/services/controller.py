@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
 import uuid
 from pathlib import Path
@@ -229,6 +230,15 @@ class Controller:
             released_version=self.learner_version,
         )
 
+    def _response_limit(self, uid: str) -> int:
+        """The prompt's max_new_tokens: the configured one, or drawn below it by
+        `rollout.max_new_tokens_jitter` (the same for a uid in every incarnation)."""
+        r = self.config.rollout
+        if r.max_new_tokens_jitter <= 0:
+            return r.max_new_tokens
+        low = max(1, round(r.max_new_tokens * (1 - r.max_new_tokens_jitter)))
+        return random.Random(f"{self.config.run.seed}:{uid}").randint(low, r.max_new_tokens)
+
     def encode(self, released: ReleasedPrompt) -> tuple[Prompt, Any]:
         import numpy as np
 
@@ -246,7 +256,7 @@ class Controller:
             ground_truth=released.ground_truth,
             prompt_text=released.prompt_text,
             released_version=released.released_version,
-            max_new_tokens=r.max_new_tokens,
+            max_new_tokens=self._response_limit(released.uid),
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,

@@ -53,6 +53,8 @@ def batch_stats(groups: list[GroupArrays]) -> dict[str, float]:
         "reward_mean": float(np.mean(scores)) if scores else 0.0,
         "reward_max": float(np.max(scores)) if scores else 0.0,
         "response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
+        "response_len_min": float(min(lengths, default=0)),
+        "response_len_max": float(max(lengths, default=0)),
         "tokens": float(sum(lengths)),
         "reward_errors": float(sum(g.reward_errors for g in groups)),
     }

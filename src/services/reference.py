@@ -18,7 +18,7 @@ from pipeline.messages import Scored
 from pipeline.runtime.ranks import TrainerThread
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group, write_group
-from pipeline.trainer_setup import batch_from_groups, reference_config, warm_up
+from pipeline.trainer_setup import Recompiles, batch_from_groups, reference_config, warm_up
 
 
 class ReferenceService(Service):
@@ -27,7 +27,9 @@ class ReferenceService(Service):
 
     async def setup(self) -> None:
         self.thread = TrainerThread("reference")
+        self.recompiles = Recompiles()
         self.reference: Any = await self.thread.run(self._build)
+        self.recompiles.mark()
 
     def _build(self) -> Any:
         import torch
@@ -47,6 +49,7 @@ class ReferenceService(Service):
         by_uid = {s.uid: s for s in group.samples}
         for uid, array in zip(batch.uids, logprobs.unpad("ref_logprobs"), strict=True):
             by_uid[uid].extra["ref_logprobs"] = np.asarray(array, np.float32)
+        group.stats["reference/recompiles"] = self.recompiles.since()
 
     async def handle(self, message: codec.Message) -> list[Output]:
         group = read_group(message)

@@ -12,11 +12,13 @@ from pipeline.messages import Prompt, Rollout
 from pipeline.rollout_worker import prompts_in_flight
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, SampleArrays, write_group
+from pipeline.trainer_setup import Recompiles
 
 
 class RolloutService(Service):
     role = "rollout"
     concurrency = 8
+    recompiles = Recompiles()  # marked after the engine's warm-up
 
     async def setup(self) -> None:
         self.concurrency = prompts_in_flight(self.config)
@@ -25,6 +27,8 @@ class RolloutService(Service):
 
         self.engine: Any = await start_engine(self.ctx)
         self.receiver: Any = start_receiver(self.ctx, self.engine)
+        self.recompiles = Recompiles()
+        self.recompiles.mark()
 
     async def generate(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:
         """The prompt's `n_samples` responses."""
@@ -41,6 +45,7 @@ class RolloutService(Service):
             data_source=prompt.data_source,
             ground_truth=prompt.ground_truth,
             released_version=prompt.released_version,
+            stats={"rollout/recompiles": self.recompiles.since()},
         )
         return [write_group(group, Rollout)]
 

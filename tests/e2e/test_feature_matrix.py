@@ -346,6 +346,7 @@ def case_reference_service(tmp_path: Path) -> None:
     )
     assert max(run.series("kl/reward_penalty")) > 0  # the critic read them
     assert all(s["kl/k3"] >= 0 for s in run.steps) and run.steps[-1]["kl/k3"] > 0
+    assert all(s["reference/recompiles"] == 0 for s in run.steps)  # the service reports it
     built = run.events("learner-0", "trainer_built")
     assert built and not any(e["reference"] for e in built)  # the learner keeps no copy
 
@@ -541,6 +542,8 @@ def case_compiled_without_recompiles(tmp_path: Path) -> None:
     assert all(s["compile/frames"] > 0 for s in run.steps)
     assert all(s["compile/recompiles"] == 0 for s in run.steps), run.series("compile/recompiles")
     assert all(s["critic/recompiles"] == 0 for s in run.steps)
+    assert all(s["rollout/recompiles"] == 0 for s in run.steps)  # the CPU engine compiles none
+    assert any(s["response_len_min"] < s["response_len_max"] for s in run.steps)
 
 
 CASES: dict[str, Callable[..., None]] = {

@@ -63,7 +63,11 @@ def test_run_starts_five_processes_ends_by_itself_and_accounts_for_every_uid(sta
         assert (standin_run / name).exists(), name
     steps = [json.loads(x) for x in (standin_run / "metrics/steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
-
+    # every stage's recompile count reaches the step (the stand-in engine compiles nothing)
+    assert all(s["rollout/recompiles"] == 0 for s in steps)
+    assert all(
+        s["response_len_min"] <= s["response_len_mean"] <= s["response_len_max"] for s in steps
+    )
 
 
 def test_services_start_while_the_controller_prepares(standin_run):
@@ -74,6 +78,7 @@ def test_services_start_while_the_controller_prepares(standin_run):
     prepared = (standin_run / "run.json").stat().st_mtime
     assert len(starts) >= 5
     assert all(t < prepared for t in starts.values()), (starts, prepared)
+
 
 def test_inspect_reads_the_run_and_exports(standin_run, tmp_path):
     out_jsonl, out_parquet = tmp_path / "scored.jsonl", tmp_path / "scored.parquet"

@@ -93,7 +93,14 @@ def measure(run_dir: Path, launched: float) -> dict[str, float]:
         max((s.get("compile/recompiles", 0) for s in later), default=0)
         - (steps[0].get("compile/recompiles", 0) if steps else 0)
     )
-    out["critic_recompiles"] = float(max((s.get("critic/recompiles", 0) for s in steps), default=0))
+    for role in ("critic", "reference", "rollout"):
+        key = f"{role}/recompiles"
+        out[f"{role}_recompiles"] = float(max((s.get(key, 0) for s in steps), default=0))
+    lengths = [s.get("response_len_min", 0) for s in steps] + [
+        s.get("response_len_max", 0) for s in steps
+    ]
+    if lengths:  # whether the run met new shapes: lengths that vary
+        out["response_len_min"], out["response_len_max"] = min(lengths), max(lengths)
     if len(steps) > 3:
         wall = steps[-1]["time"] - steps[2]["time"]
         samples = sum(s["trained"] for s in steps[3:])
@@ -132,6 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here")
+    ap.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="compile caches here (kept; a later call's `--caches warm` reuses them)",
+    )
     args, extra = ap.parse_known_args(argv)
     results: dict[tuple[str, str], dict[str, float]] = {}
     figs: list[dict[str, Any]] = []
@@ -141,7 +154,10 @@ def main(argv: list[str] | None = None) -> None:
             base += shape_model(args.shape, Path(tmp) / "model", args.device)
         runs = args.runs_dir or Path(tmp) / "runs"
         for variant in args.variants.split(","):
-            cache = Path(tmp) / f"cache-{variant}"  # empty: the cold run fills it
+            # empty: the cold run fills it
+            cache = (args.cache_dir or Path(tmp)) / f"cache-{variant}"
+            if "cold" in args.caches.split(","):
+                shutil.rmtree(cache, ignore_errors=True)
             for kind in args.caches.split(","):
                 name = f"cold-start-{variant}-{kind}"
                 launched = time.time()

@@ -169,6 +169,10 @@ class RolloutConfig:
     n_samples: int = 4
     # the longest response in tokens
     max_new_tokens: int = 16
+    # benchmarks: each prompt's response limit drawn (seeded by its uid) from
+    # [(1 - jitter) * max_new_tokens, max_new_tokens], so that a model that never stops
+    # (a random one) still produces lengths that vary; 0: every prompt gets max_new_tokens
+    max_new_tokens_jitter: float = 0.0
     # sampling temperature (0: greedy); the learner computes its log-probs at it
     temperature: float = 1.0
     # nucleus sampling mass (1: off)
@@ -197,6 +201,8 @@ class RolloutConfig:
             raise ConfigError("rollout.n_samples must be >= 1")
         if not 0 < self.top_p <= 1:
             raise ConfigError("rollout.top_p must be in (0, 1]")
+        if not 0 <= self.max_new_tokens_jitter < 1:
+            raise ConfigError("rollout.max_new_tokens_jitter must be in [0, 1)")
 
 
 @dataclass(frozen=True)

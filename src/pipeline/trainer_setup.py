@@ -47,16 +47,18 @@ def compile_counts() -> dict[str, float]:
 
 
 class Recompiles:
-    """Frames this process compiled since `mark()` (after its warm-up): recompiles."""
+    """Graphs this process compiled since `mark()` (after its warm-up): recompiles. Graphs,
+    not frames: dynamo counts no frame for a compiled callable that is not a function (the
+    compiled loss, a functools.partial), but every graph it makes."""
 
     def __init__(self) -> None:
         self.base = 0.0
 
     def mark(self) -> None:
-        self.base = compile_counts()["compile/frames"]
+        self.base = compile_counts()["compile/graphs"]
 
     def since(self) -> float:
-        return compile_counts()["compile/frames"] - self.base
+        return compile_counts()["compile/graphs"] - self.base
 
 
 def compile_report() -> dict[str, Any]:
@@ -102,6 +104,7 @@ def warm_up_batches(config: PipelineConfig, vocab_size: int) -> list[ExperienceB
 
     prompt, response = config.task.max_prompt_tokens, config.rollout.max_new_tokens
     n = 2 * max(2, config.rollout.n_samples)
+    with_ref = config.reference_host() is not None
     generator = torch.Generator().manual_seed(0)
     batches = []
     for lengths in (
@@ -119,7 +122,8 @@ def warm_up_batches(config: PipelineConfig, vocab_size: int) -> list[ExperienceB
                 [float(i % 2) for i in range(n)],
                 uids=[f"warmup-{i // 2}/{i % 2}" for i in range(n)],
                 token_versions=[z.long() for z in zeros],
-                ref_logprobs=[z - 1.0 for z in zeros],
+                # only where the run has them: a step without is another compiled variant
+                ref_logprobs=[z - 1.0 for z in zeros] if with_ref else None,
                 values=zeros,
                 advantages=zeros,
                 returns=zeros,

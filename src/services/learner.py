@@ -31,7 +31,7 @@ from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group
 from pipeline.step_reports import StepReports
-from pipeline.trainer_setup import compile_counts, group_stats
+from pipeline.trainer_setup import Recompiles, compile_counts, group_stats
 from pipeline.transport import Delivery
 from pipeline.transport.channel import cancel_and_wait
 
@@ -76,7 +76,7 @@ class LearnerService(Service):
         self.thread = TrainerThread("learner", self.ctx.ranks)
         self.reports: StepReports | None = None
         self._watch: asyncio.Task[None] | None = None
-        self._frames = 0.0
+        self.recompiles = Recompiles()
         # what the weights include last: from the checkpoint resumed, then each step trained
         self.last_step: TrainedStep | None = None
         # queue uids of the groups the resumed checkpoint's weights already include
@@ -86,7 +86,7 @@ class LearnerService(Service):
             self._watch = asyncio.create_task(self.reports.watch())
         known = self.ctx.policy_version  # the controller's: steps reported so far
         await self._build()
-        self._frames = compile_counts()["compile/frames"]
+        self.recompiles.mark()
         if self.last_step is not None and self.reports is not None:
             await self.settle(self.last_step)
         if self.reports is not None:
@@ -275,8 +275,8 @@ class LearnerService(Service):
         """The step's metrics (waiting for the device), with the groups' stage stats."""
         metrics = await self.thread.run(pending.result)
         compiled = compile_counts()
-        # frames compiled since the setup's warm-up: 0 unless a step met something new
-        compiled["compile/recompiles"] = compiled["compile/frames"] - self._frames
+        # graphs compiled since the setup's warm-up: 0 unless a step met something new
+        compiled["compile/recompiles"] = self.recompiles.since()
         return {**group_stats(groups), **{k: float(v) for k, v in metrics.items()}, **compiled}
 
     async def _checkpoint(self, trained: TrainedStep) -> None:

@@ -24,6 +24,7 @@ COMPILED = TrainerConfig(
     compile=True,
     compile_backend="aot_eager",
     compile_scope="blocks",
+    compile_loss=True,
 )
 # the warm-up's lengths: all sequences alike, and mixed
 WARM = [
@@ -37,8 +38,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("warm") / "model")
 
 
-def _frames() -> tuple[int, int]:
-    return counters["frames"]["total"], counters["frames"]["ok"]
+def _frames() -> tuple[int, int, int]:
+    """Frames dynamo tried and compiled, and graphs it made (the compiled loss, a partial,
+    counts no frame: only its graphs show it)."""
+    return counters["frames"]["total"], counters["frames"]["ok"], counters["stats"]["unique_graphs"]
 
 
 def test_a_warmed_up_policy_trainer_never_recompiles_and_the_warm_up_trains_nothing(model_dir):
@@ -58,20 +61,22 @@ def test_a_warmed_up_policy_trainer_never_recompiles_and_the_warm_up_trains_noth
     for state in trainer.engine.optimizer.state.values():  # Adam never saw the warm-up
         assert not state or not state["exp_avg"].any()
     warm = _frames()
-    assert warm[0] == warm[1] > 0  # compiled, and nothing fell back to eager
+    assert warm[0] == warm[1] > 0 and warm[2] > warm[1]  # trunk and loss, nothing eager
     for step in range(6):  # new packed lengths, numbers of sequences and longest sequences
         n = 6 + 2 * step
         metrics = trainer.train_step(make_batch(seed=step, n=n, response_len=(1, 3 + 3 * step)))
         assert metrics["actor/skipped_updates"] == 0
+    # sequences all alike again, of another length and number than the warm-up's
+    trainer.train_step(make_batch(seed=9, n=10, prompt_len=(3, 4), response_len=(9, 10)))
     assert _frames() == warm, "a step recompiled after the warm-up"
-    assert trainer.step == 6
+    assert trainer.step == 7
 
 
 def test_without_the_warm_up_the_first_step_compiles(model_dir):
     torch._dynamo.reset()
     counters.clear()
     trainer = PolicyTrainer(model_dir, COMPILED, AlgorithmConfig())
-    assert _frames() == (0, 0)
+    assert _frames() == (0, 0, 0)
     trainer.train_step(make_batch(seed=0, n=8))
     assert _frames()[1] > 0
 

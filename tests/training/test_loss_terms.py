@@ -39,7 +39,8 @@ ALG = AlgorithmConfig(
 def _inputs(m: int, r: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(m, r, generator=g) > 0.3
-    mask[0] = False  # a sample without valid tokens
+    mask[0] = m == 1  # a sample without valid tokens (unless it is the only one)
+    mask[-1, 0] = True  # and one with
     behaviour = -2 + 0.5 * torch.randn(m, r, generator=g)
     return {
         "logp": (behaviour + 0.3 * torch.randn(m, r, generator=g)).requires_grad_(),
@@ -118,9 +119,15 @@ def test_loss_terms_name_the_values_of_the_algorithms_functions() -> None:
 
 
 def test_compiled_loss_terms_equal_eager_across_shapes() -> None:
+    """Any (sequences, response length), one graph: a micro-batch of one sequence or of
+    one-token responses (padded to two, masked out) compiles nothing new."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     eager, compiled = loss_function(ALG, compiled=False), loss_function(ALG, compiled=True)
-    for m, r, seed in ((6, 9, 1), (4, 13, 2), (7, 5, 3)):  # shapes vary: dynamic, no break
+    shapes = ((6, 9, 1), (4, 13, 2), (7, 5, 3), (1, 9, 4), (5, 1, 5), (1, 1, 6))
+    for m, r, seed in shapes:  # shapes vary: dynamic, no break
         runs = []
         for fn in (eager, compiled):
             x = _inputs(m, r, seed)
@@ -134,6 +141,7 @@ def test_compiled_loss_terms_equal_eager_across_shapes() -> None:
         torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(eb, ea, rtol=1e-5, atol=1e-7)
         assert ga.abs().sum() > 0 and ea.abs().sum() > 0
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_metric_sums_add_a_vector_as_the_per_key_adds() -> None:

@@ -13,7 +13,10 @@ from torch import Tensor
 def check_same_shape(**tensors: Tensor) -> None:
     """Fail early with the names of mismatched inputs; broadcasting would hide the bug."""
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) > 1:
+    # compared, not hashed: a set of symbolic sizes would pin each to its value (a compiled
+    # caller then recompiles for every new batch size)
+    first = next(iter(shapes.values()), ())
+    if any(shape != first for shape in shapes.values()):
         detail = ", ".join(f"{name}={shape}" for name, shape in shapes.items())
         raise ValueError(f"expected equal (batch, seq) shapes, got {detail}")
     for name, shape in shapes.items():

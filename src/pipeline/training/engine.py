@@ -25,6 +25,7 @@ from pipeline.models import CausalLM, DecoderBase, parallelize
 from pipeline.models.layers import RowGrouped
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
+from pipeline.training.compile_limits import allow_recompiles
 from pipeline.training.config import TrainerConfig
 from pipeline.training.distributed import (
     DistInfo,
@@ -109,6 +110,8 @@ def place_model(
     when sharded, `ComputeWeights` swaps in compute copies in a single process. A frozen
     model gets no gradients and, in a single process, is simply stored in the compute dtype.
     """
+    if config.compile:
+        allow_recompiles()
     single_dtype = torch.float32
     if not trainable and not is_distributed():
         single_dtype = config.compute_dtype(info.device)

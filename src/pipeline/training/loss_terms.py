@@ -27,6 +27,7 @@ from pipeline.algorithms import (
     ppo_policy_loss,
     truncated_is_weights,
 )
+from pipeline.training.compile_limits import allow_recompiles
 
 MICRO_KEYS = (
     "actor/loss",
@@ -144,4 +145,17 @@ def loss_function(alg: AlgorithmConfig, compiled: bool) -> LossFn:
     fn = functools.partial(policy_loss_terms, alg=alg)
     if not compiled:
         return fn
-    return torch.compile(fn, dynamic=True, fullgraph=True)  # type: ignore[return-value]
+    allow_recompiles()
+    graph = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def at_least_two(*args: Tensor | None) -> Terms:
+        # a micro-batch of one sequence or of one-token responses would meet a graph that
+        # the compiler specialised for size 1 (a recompile mid-run): padded rows and
+        # columns are masked out, which every loss, mean and sum here leaves out. Always
+        # a fresh tensor (the pad copies), so no input is a view: dynamo guards on how
+        # inputs alias, which would differ between a padded and an unpadded call
+        m, r = args[0].shape  # type: ignore[union-attr]
+        pad = (0, max(0, 2 - r), 0, max(0, 2 - m))
+        return graph(*(None if t is None else torch.nn.functional.pad(t, pad) for t in args))
+
+    return at_least_two

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.log import get_logger
-from pipeline.messages import Prompt
+from pipeline.messages import Prompt, TensorRef
 from pipeline.samples import SampleArrays
 
 
@@ -74,26 +74,22 @@ class EngineRunner:
     async def warm_up(self, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> float:
         """Generate one step's worth of random prompts at the run's lengths before serving:
         the engine compiles its blocks and sampler and captures its decode graphs for the
-        batch sizes a step meets, while the trainers warm up too. Its seconds."""
-        from pipeline.messages import Prompt, TensorRef
-
+        batch sizes a step meets, while the trainers warm up too. Then one sample and two
+        on their own: the end of a step decodes one or two rows, a size the compiler
+        specialises. Its seconds."""
         start = self.loop.time()
         rng = np.random.default_rng(0)
         vocab = max(2, len(self.tokenizer))
-        ref = TensorRef(dtype="int32", shape=(prompt_len,), frame=0)
-        calls = [
-            self.generate(
-                Prompt(
-                    uid=f"warmup-{i}",
-                    prompt_ids=ref,
-                    n_samples=samples,
-                    max_new_tokens=new_tokens,
-                ),
-                rng.integers(0, vocab, prompt_len).astype(np.int32),
-            )
-            for i in range(prompts)
-        ]
-        await asyncio.gather(*calls)
+
+        def call(i: int, n: int, tokens: int) -> Awaitable[list[SampleArrays]]:
+            ids = rng.integers(0, vocab, prompt_len).astype(np.int32)
+            ref = TensorRef(dtype="int32", shape=(prompt_len,), frame=0)
+            prompt = Prompt(uid=f"warmup-{i}", prompt_ids=ref, n_samples=n, max_new_tokens=tokens)
+            return self.generate(prompt, ids)
+
+        await asyncio.gather(*(call(i, samples, new_tokens) for i in range(prompts)))
+        for n in (1, 2):
+            await call(prompts + n, n, min(4, new_tokens))
         return self.loop.time() - start
 
     def update_weights(self, tensors: Mapping[str, Any], version: int) -> Future[int]:

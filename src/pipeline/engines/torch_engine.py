@@ -176,7 +176,7 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         self._sample = sample
         if cfg.compile and self.device.type == "cuda":
             compile_for_decoding(model)
-            self._sample = torch.compile(sample)
+            self._sample = torch.compile(sample, dynamic=True)
         self.graphs: DecodeGraphs | None = None
         if cfg.use_cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch)

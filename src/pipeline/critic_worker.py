@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.config import PipelineConfig
 from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp
 from pipeline.runtime.ranks import decode_groups
@@ -31,6 +32,31 @@ _GROUP_STATS = (
     "kl/reward_penalty",
     "critic/values_mean",
 )
+
+
+def critic_parts(config: PipelineConfig, directory: Path) -> tuple[Any, Any]:
+    """The value trainer and the reference where it is hosted here, warmed up (before the
+    first group: every service warms up at once)."""
+    import torch
+
+    from pipeline.training import CriticTrainer
+    from pipeline.training.reference import ReferencePolicy
+
+    torch.set_num_threads(max(1, config.run.torch_threads))
+    # whitening belongs to the learner, over the whole step's batch
+    algorithm = dataclasses.replace(config.algorithm, whiten_advantages=False)
+    trainer = CriticTrainer(str(directory), config.critic.trainer, algorithm)
+    reference = None
+    if config.reference_host() == "critic":
+        ref = reference_config(config, config.critic.trainer.device)
+        reference = ReferencePolicy(str(directory), ref, dist=trainer.info)
+    warm_up(get_logger("critic_worker"), config, [trainer, reference])
+    return trainer, reference
+
+
+def early_parts(config: PipelineConfig) -> tuple[Any, Any]:
+    """`critic_parts` of a run whose model is a local directory (pipeline.early_build)."""
+    return critic_parts(config, Path(config.model.path))
 
 
 class CriticWorker:
@@ -62,28 +88,19 @@ class CriticWorker:
 
     def build(self, resume_step: int) -> None:
         """The value model (sharded when distributed), the reference where it is hosted
-        here, the KL controller; resumed from checkpoint `resume_step` when >= 0."""
-        import torch
-
+        here, the KL controller; resumed from checkpoint `resume_step` when >= 0. The
+        parts built during the handshake when there are some (`early_parts`)."""
         from pipeline.algorithms.kl_controller import make_kl_controller
         from pipeline.tasks import model_dir
-        from pipeline.training import CriticTrainer
         from pipeline.training.distributed import log_sharding
-        from pipeline.training.reference import ReferencePolicy
 
-        torch.set_num_threads(max(1, self.config.run.torch_threads))
-        directory = model_dir(self.config, Path(self.ctx.run_dir))
-        # whitening belongs to the learner, over the whole step's batch
-        algorithm = dataclasses.replace(self.config.algorithm, whiten_advantages=False)
-        trainer_config = self.config.critic.trainer
-        self.trainer = CriticTrainer(str(directory), trainer_config, algorithm)
-        if self.config.reference_host() == "critic":
-            ref = reference_config(self.config, trainer_config.device)
-            self.reference = ReferencePolicy(str(directory), ref, dist=self.trainer.info)
+        early = getattr(self.ctx, "early", None)
+        parts = early.take(self.config) if early is not None else None
+        if parts is None:
+            parts = critic_parts(self.config, model_dir(self.config, Path(self.ctx.run_dir)))
+        self.trainer, self.reference = parts
         self.kl_ctrl = make_kl_controller(self.config.algorithm)
         log_sharding(self.log, self.trainer)
-        # now, before the first group: every service warms up at once
-        warm_up(self.log, self.config, [self.trainer, self.reference])
         self.recompiles.mark()
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)

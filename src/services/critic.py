@@ -21,6 +21,13 @@ class CriticService(Service):
     role = "critic"
     concurrency = 4
 
+    @staticmethod
+    def early_parts(config: Any) -> Any:
+        """Built during the handshake when the model is a local directory."""
+        from pipeline.critic_worker import early_parts
+
+        return early_parts(config)
+
     @classmethod
     def follower(cls, ctx: Any) -> Any:
         """A critic rank other than 0 (torchrun): the value model's side of rank 0's work."""

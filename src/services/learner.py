@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from pipeline import codec
-from pipeline.learner_worker import LearnerWorker, TrainedStep
+from pipeline.learner_worker import LearnerWorker, TrainedStep, early_parts
 from pipeline.messages import RankCommand, RankOp, StepDone
 from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
@@ -62,6 +62,8 @@ def batch_stats(groups: list[GroupArrays]) -> dict[str, float]:
 
 class LearnerService(Service):
     role = "learner"
+    # built during the handshake when the model is a local directory
+    early_parts = staticmethod(early_parts)
 
     @classmethod
     def follower(cls, ctx: Any) -> LearnerWorker:

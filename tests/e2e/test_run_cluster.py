@@ -63,11 +63,6 @@ def test_run_starts_five_processes_ends_by_itself_and_accounts_for_every_uid(sta
         assert (standin_run / name).exists(), name
     steps = [json.loads(x) for x in (standin_run / "metrics/steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
-    # every stage's recompile count reaches the step (the stand-in engine compiles nothing)
-    assert all(s["rollout/recompiles"] == 0 for s in steps)
-    assert all(
-        s["response_len_min"] <= s["response_len_mean"] <= s["response_len_max"] for s in steps
-    )
 
 
 def test_services_start_while_the_controller_prepares(standin_run):

@@ -63,6 +63,14 @@ def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
             _exit(143)  # rank 0 is gone or stuck: no barrier to meet
         _exit(0, link)
     controller = args.controller or layout.controller_endpoint(config)
+    early = None
+    if link is None:  # one process: its model parts need nothing the controller sends
+        from pipeline.early_build import start_early_build
+        from pipeline.log import bind_process, configure_logging
+
+        configure_logging()
+        bind_process(service=role, replica=args.replica)
+        early = start_early_build(config, getattr(service_cls, "early_parts", None))
     run_async(
         serve(
             service_cls,  # type: ignore[arg-type]
@@ -71,6 +79,7 @@ def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
             local_config=config,
             pool=args.pool,
             ranks=link,
+            early=early,
         )
     )
     if link is not None:

@@ -53,6 +53,8 @@ class ServiceContext:
     # the command channel to the other ranks of a sharded service (on every rank); None
     # in a single process
     ranks: RankLink | None = None
+    # the model parts built during the handshake (pipeline.early_build), for setup to take
+    early: Any = None
 
 
 class MetricsWriter:
@@ -208,6 +210,7 @@ async def serve(
     local_config: PipelineConfig,
     pool: str | None = None,
     ranks: RankLink | None = None,
+    early: Any = None,
 ) -> None:
     """Run one service replica until the run ends or it is told to stop; `pool` places it
     on another pool of the run than the role's (`pipeline service ROLE --pool POOL`).
@@ -248,6 +251,7 @@ async def serve(
         control=control,
         policy_version=answer.policy_version,
         ranks=ranks,
+        early=early,
     )
     if ranks is not None:
         await asyncio.to_thread(ranks.lead, context_command(ctx), lambda: None)

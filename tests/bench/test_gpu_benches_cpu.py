@@ -255,3 +255,24 @@ def test_cold_start_cpu(tmp_path: Path) -> None:
         assert config["recompiles_after_step0"] == 0 and config["steps"] == 4
         assert 0 < fig["bound"] < fig["value"]
     assert figs[1]["baseline_value"] == figs[0]["value"]
+
+
+def test_warm_up_cpu(tmp_path: Path) -> None:
+    """pipeline.bench.warm_up on CPU (aot_eager): a cold and a warm child each build and warm
+    up the learner; the figures carry what the compile did, the warm one against the cold;
+    the profiled child lists its most expensive functions."""
+    out_file = tmp_path / "warm_up.json"
+    cmd = [sys.executable, "-m", "pipeline.bench.warm_up", "--device", "cpu", "--shape", "tiny"]
+    cmd += ["--profile", "profiles/local-cpu.toml", "--cprofile", "5", "--json", str(out_file)]
+    cmd += ["--learner.trainer.compile", "true", "--learner.trainer.compile_backend", "aot_eager"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figs = json.loads(out_file.read_text())
+    assert [f["figure"] for f in figs] == ["learner_warm_up_s_cold", "learner_warm_up_s_warm"]
+    for fig in figs:
+        assert list(fig) == list(KEYS)
+        config = fig["config"]
+        assert config["compile/frames"] > 0 and config["total_s"] == fig["value"]
+        assert 0 < config["build_s"] < fig["value"] and config["cpu_kernels"] == []
+    assert figs[1]["baseline_value"] == figs[0]["value"]
+    assert len(figs[1]["config"]["cprofile_cumulative"]) == 5

@@ -306,9 +306,32 @@ class _Progress:
             transient=False,
         )
         self.task = self.progress.add_task("run", total=config.controller.steps, info="starting")
+        self.services = [
+            f"{role}-{i}"
+            for role in ROLES
+            if role != "controller" and role in config.services
+            for i in range(config.replicas(role))
+        ]
+        self.stepped = False
         self.progress.start()
 
+    def startup_text(self) -> str:
+        """Before the first step: which services are still starting (imports, the
+        controller's answer), which set up (model load, compiles, warm-up), which ready."""
+        states: dict[str, list[str]] = {"starting": [], "warming up": [], "ready": []}
+        for name in self.services:
+            path = self.path.parent / f"{name}.jsonl"
+            if not path.exists():
+                states["starting"].append(name)
+            elif '"kind": "ready"' in path.read_text(errors="replace"):
+                states["ready"].append(name)
+            else:
+                states["warming up"].append(name)
+        return "  ".join(f"{k}: {', '.join(v)}" for k, v in states.items() if v)
+
     def update(self) -> None:
+        if not self.stepped:
+            self.progress.update(self.task, info=self.startup_text())
         if not self.path.exists():
             return
         with open(self.path) as f:
@@ -325,6 +348,7 @@ class _Progress:
                 f"  sync {rec.get('sync_seconds', 0) * 1000:.0f}ms"
             )
             self.progress.update(self.task, completed=rec["step"] + 1, info=info)
+            self.stepped = True
 
     def close(self) -> None:
         self.progress.stop()

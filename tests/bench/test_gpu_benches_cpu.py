@@ -235,6 +235,13 @@ def test_all_gpu_bookkeeping(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def _bench_figures(cmd: list[str], out_file: Path) -> list[dict[str, Any]]:
+    """Run a bench's command line; the figures it wrote."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out_file.read_text())
+
+
 def test_cold_start_cpu(tmp_path: Path) -> None:
     """Two short real runs (an empty compile cache, then the one it filled): each service's
     ready before the first step, the first step before the tenth would be, no recompile."""
@@ -243,9 +250,7 @@ def test_cold_start_cpu(tmp_path: Path) -> None:
     cmd += ["--profile", "profiles/local-cpu.toml", "--variants", "grpo", "--steps", "4"]
     cmd += ["--json", str(out_file), "--learner.trainer.compile", "true"]
     cmd += ["--learner.trainer.compile_backend", "aot_eager"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    figs = json.loads(out_file.read_text())
+    figs = _bench_figures(cmd, out_file)
     assert [f["figure"] for f in figs] == ["first_step_s_grpo_cold", "first_step_s_grpo_warm"]
     for fig in figs:
         assert list(fig) == list(KEYS)
@@ -265,9 +270,7 @@ def test_warm_up_cpu(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "pipeline.bench.warm_up", "--device", "cpu", "--shape", "tiny"]
     cmd += ["--profile", "profiles/local-cpu.toml", "--cprofile", "5", "--json", str(out_file)]
     cmd += ["--learner.trainer.compile", "true", "--learner.trainer.compile_backend", "aot_eager"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    figs = json.loads(out_file.read_text())
+    figs = _bench_figures(cmd, out_file)
     assert [f["figure"] for f in figs] == ["learner_warm_up_s_cold", "learner_warm_up_s_warm"]
     for fig in figs:
         assert list(fig) == list(KEYS)

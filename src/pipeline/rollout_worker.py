@@ -225,5 +225,7 @@ async def start_engine(ctx: Any) -> EngineRunner:
             config.task.max_prompt_tokens,
             rollout.max_new_tokens,
         )
-        runner.log.info("warmed_up", seconds=round(seconds, 2))
+        from pipeline.trainer_setup import compile_counts
+
+        runner.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts())
     return runner

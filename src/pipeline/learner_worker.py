@@ -43,24 +43,22 @@ class TrainedStep:
         return cls(done=StepDone(**data["done"]), group_uids=list(data["group_uids"]))
 
 
-def policy_trainer(config: PipelineConfig, run_dir: Path) -> Any:
-    """The run's policy trainer (and the reference when it is hosted here)."""
+def policy_parts(config: PipelineConfig, directory: Path) -> Any:
+    """The run's policy trainer (and the reference when it is hosted here), warmed up
+    (before the first batch: every service warms up at once)."""
     import torch
 
-    from pipeline.tasks import model_dir
     from pipeline.training import PolicyTrainer
 
     torch.set_num_threads(max(1, config.run.torch_threads))
-    directory = model_dir(config, run_dir)
-    return PolicyTrainer(str(directory), policy_config(config), config.algorithm)
+    trainer = PolicyTrainer(str(directory), policy_config(config), config.algorithm)
+    warm_up(get_logger("learner_worker"), config, [trainer])
+    return trainer
 
 
 def early_parts(config: PipelineConfig) -> Any:
-    """The policy trainer of a run whose model is a local directory, warmed up: built
-    while the service waits for the controller (pipeline.early_build)."""
-    trainer = policy_trainer(config, Path(config.model.path))
-    warm_up(get_logger("learner_worker"), config, [trainer])
-    return trainer
+    """`policy_parts` of a run whose model is a local directory (pipeline.early_build)."""
+    return policy_parts(config, Path(config.model.path))
 
 
 class LearnerWorker:
@@ -100,20 +98,19 @@ class LearnerWorker:
         """The trainer (sharded when distributed) and the weight publisher, resumed from
         checkpoint `resume_step` if >= 0 (its LoadedCheckpoint, else None); the trainer
         built during the handshake when there is one (`early_parts`)."""
+        from pipeline.tasks import model_dir
         from pipeline.training.distributed import log_sharding
 
         early = getattr(self.ctx, "early", None)
         self.trainer = early.take(self.config) if early is not None else None
-        warmed = self.trainer is not None
+        taken = self.trainer is not None
         if self.trainer is None:
-            self.trainer = policy_trainer(self.config, Path(self.ctx.run_dir))
+            self.trainer = policy_parts(self.config, model_dir(self.config, Path(self.ctx.run_dir)))
         log_sharding(self.log, self.trainer)
-        self.log.info("trainer_built", reference=self.trainer.reference is not None, early=warmed)
+        self.log.info("trainer_built", reference=self.trainer.reference is not None, early=taken)
         loaded = None
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)
-        if not warmed:  # now, before the first batch: every service warms up at once
-            warm_up(self.log, self.config, [self.trainer])
         # rank 0 without a hub is replaying: no engines to publish to
         if self.config.replicas("rollout") > 0 and (self.hub is not None or self.trainer.info.rank):
             from pipeline.weight_link import make_publisher

@@ -18,7 +18,10 @@ from pipeline.trainer_setup import Recompiles
 class RolloutService(Service):
     role = "rollout"
     concurrency = 8
-    recompiles = Recompiles()  # marked after the engine's warm-up
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.recompiles = Recompiles()  # marked once the engine has warmed up
 
     async def setup(self) -> None:
         self.concurrency = prompts_in_flight(self.config)
@@ -27,7 +30,6 @@ class RolloutService(Service):
 
         self.engine: Any = await start_engine(self.ctx)
         self.receiver: Any = start_receiver(self.ctx, self.engine)
-        self.recompiles = Recompiles()
         self.recompiles.mark()
 
     async def generate(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:

@@ -70,7 +70,7 @@ def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
 
         configure_logging()
         bind_process(service=role, replica=args.replica)
-        early = start_early_build(config, getattr(service_cls, "early_parts", None))
+        early = start_early_build(config, service_cls.early_parts)  # type: ignore[attr-defined]
     run_async(
         serve(
             service_cls,  # type: ignore[arg-type]

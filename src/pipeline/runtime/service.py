@@ -21,6 +21,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -75,6 +76,9 @@ class Service:
     role: ClassVar[str] = ""
     # items processed concurrently by the default loop
     concurrency: ClassVar[int] = 4
+    # builds the role's model parts from the local config while the service waits for the
+    # controller (pipeline.early_build); None: nothing to build early
+    early_parts: ClassVar[Callable[[PipelineConfig], Any] | None] = None
 
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx

@@ -313,6 +313,7 @@ class _Progress:
             for i in range(config.replicas(role))
         ]
         self.stepped = False
+        self.ready: set[str] = set()  # read once: a resumed run's metrics files are long
         self.progress.start()
 
     def startup_text(self) -> str:
@@ -321,12 +322,13 @@ class _Progress:
         states: dict[str, list[str]] = {"starting": [], "warming up": [], "ready": []}
         for name in self.services:
             path = self.path.parent / f"{name}.jsonl"
-            if not path.exists():
-                states["starting"].append(name)
-            elif '"kind": "ready"' in path.read_text(errors="replace"):
+            ready = name not in self.ready and path.exists()
+            if ready and '"kind": "ready"' in path.read_text(errors="replace"):
+                self.ready.add(name)
+            if name in self.ready:
                 states["ready"].append(name)
             else:
-                states["warming up"].append(name)
+                states["warming up" if path.exists() else "starting"].append(name)
         return "  ".join(f"{k}: {', '.join(v)}" for k, v in states.items() if v)
 
     def update(self) -> None:

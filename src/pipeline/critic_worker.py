@@ -96,11 +96,13 @@ class CriticWorker:
 
         early = getattr(self.ctx, "early", None)
         parts = early.take(self.config) if early is not None else None
+        taken = parts is not None
         if parts is None:
             parts = critic_parts(self.config, model_dir(self.config, Path(self.ctx.run_dir)))
         self.trainer, self.reference = parts
         self.kl_ctrl = make_kl_controller(self.config.algorithm)
         log_sharding(self.log, self.trainer)
+        self.log.info("trainer_built", reference=self.reference is not None, early=taken)
         self.recompiles.mark()
         if resume_step >= 0:
             loaded = self.trainer.load_checkpoint(self.checkpoints, step=resume_step)

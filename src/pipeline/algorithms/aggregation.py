@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 from torch import Tensor
 
 from pipeline.algorithms.masking import masked_mean, masked_sum
+from pipeline.algorithms.names import LOSS_AGG_MODES, LossAggMode
 from pipeline.errors import ConfigError
-
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
 
 def check_loss_agg_mode(loss_agg_mode: str) -> None:

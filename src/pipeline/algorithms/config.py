@@ -7,10 +7,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
-from pipeline.algorithms.aggregation import LOSS_AGG_MODES, LossAggMode
-from pipeline.algorithms.importance import IS_LEVELS, ISLevel
-from pipeline.algorithms.kl import KL_ESTIMATORS, KLEstimator
 from pipeline.algorithms.kl_controller import KLControllerType
+from pipeline.algorithms.names import (
+    IS_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    ISLevel,
+    KLEstimator,
+    LossAggMode,
+)
 from pipeline.errors import ConfigError
 
 AdvantageEstimator = Literal["gae", "vtrace", "grpo", "rloo"]

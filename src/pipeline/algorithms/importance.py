@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from pipeline.algorithms.kl import kl_k3
 from pipeline.algorithms.masking import check_same_shape, masked_mean
+from pipeline.algorithms.names import IS_LEVELS, ISLevel
 from pipeline.errors import ConfigError
-
-ISLevel = Literal["token", "sequence"]
-IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
 
 
 @dataclass(frozen=True)

@@ -7,17 +7,13 @@ k3 is unbiased, non-negative and low-variance (verl's "low_var_kl").
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 from torch import Tensor
 
-from pipeline.algorithms.aggregation import LossAggMode, agg_loss
+from pipeline.algorithms.aggregation import agg_loss
 from pipeline.algorithms.masking import check_same_shape, place_on_last_token
+from pipeline.algorithms.names import KL_ESTIMATORS, KLEstimator, LossAggMode
 from pipeline.errors import ConfigError
-
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
-KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 # verl's bounds: the log-ratio stays where exp() is finite, the estimate where gradients are sane.
 _LOG_RATIO_BOUND = 20.0

@@ -29,6 +29,7 @@ from pipeline.config import PipelineConfig
 from pipeline.config.schema import ROLES, TRAINER_ROLES
 from pipeline.log import get_logger
 from pipeline.runtime import layout
+from pipeline.runtime.bytecode import bytecode_cache
 
 # the longest a controller may take to prepare a run (a tiny model's warm start included)
 PREPARE_TIMEOUT_S = 900.0
@@ -72,6 +73,11 @@ class Supervisor:
         self._stopping = False
         self._prepared = False
         self.events: list[dict[str, Any]] = []
+        self.bytecode = bytecode_cache(config.run.compile_cache_dir, os.environ)
+        if self.bytecode is not None:
+            self.log.info(
+                "bytecode_cache", prefix=self.bytecode.prefix, reason=self.bytecode.reason
+            )
 
     def _argv(self, child: Child) -> list[str]:
         args = [sys.executable, "-m", *launcher_args(self.config, child.role)]
@@ -90,6 +96,8 @@ class Supervisor:
         if child.log_file is None:
             child.log_file = open(logs / f"{child.name}.log", "ab")  # noqa: SIM115
         env = dict(os.environ, PIPELINE_LOG_JSON="1", PYTHONUNBUFFERED="1")
+        if self.bytecode is not None:
+            self.bytecode.apply(env)
         if trainer_ranks(self.config, child.role) > 1:  # torchrun asks for it, else warns
             env.setdefault("OMP_NUM_THREADS", str(max(1, self.config.run.torch_threads)))
         child.proc = subprocess.Popen(

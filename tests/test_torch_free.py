@@ -1,0 +1,44 @@
+"""Light processes import no torch: rewards and data run in light services (reward
+workers start per timeout), and `pipeline run` spawns the services before it would have
+imported torch (seconds on a host whose packages hold no bytecode)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+LIGHT = {
+    "rewards_and_data": [
+        "pipeline.rewards.scorer",
+        "pipeline.rewards.gsm8k",
+        "pipeline.rewards.math_equiv",
+        "pipeline.rewards.symbolic",
+        "pipeline.rewards.format",
+        "pipeline.data.loader",
+        "pipeline.data.cursor",
+        "pipeline.data.gsm8k",
+        "pipeline.data.toy_task",
+        "pipeline.data.tokenizer",
+    ],
+    "launcher": [
+        "pipeline.cli",
+        "pipeline.commands.run",
+        "pipeline.runtime.supervisor",
+        "pipeline.runtime.bytecode",
+        "pipeline.config",
+    ],
+}
+
+
+@pytest.mark.parametrize("group", sorted(LIGHT))
+def test_light_modules_do_not_import_torch_or_transformers(group: str):
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in LIGHT[group])
+        + "heavy = sorted({'torch', 'transformers'} & set(sys.modules))\n"
+        + "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

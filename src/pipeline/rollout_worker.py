@@ -31,9 +31,17 @@ class _Pending:
 
 
 class EngineRunner:
-    def __init__(self, engine: Any, tokenizer: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        ignore_eos: bool = False,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.ignore_eos = ignore_eos
         self.loop = loop
         self._submit: queue.SimpleQueue[tuple[str, list[int], Any, _Pending]] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
@@ -51,7 +59,7 @@ class EngineRunner:
 
     def stop_ids(self) -> tuple[int, ...]:
         eos = self.tokenizer.eos_token_id
-        return () if eos is None else (int(eos),)
+        return () if eos is None or self.ignore_eos else (int(eos),)
 
     async def generate(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:
         from pipeline.engines import SamplingParams
@@ -216,7 +224,9 @@ async def start_engine(ctx: Any) -> EngineRunner:
             else {}
         ),
     )
-    runner = EngineRunner(engine, tokenizer, asyncio.get_running_loop())
+    runner = EngineRunner(
+        engine, tokenizer, asyncio.get_running_loop(), ignore_eos=config.rollout.ignore_eos
+    )
     rollout = config.rollout
     if device == "cuda" and (rollout.compile or rollout.cuda_graphs):
         seconds = await runner.warm_up(

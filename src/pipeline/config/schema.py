@@ -173,6 +173,9 @@ class RolloutConfig:
     # [(1 - jitter) * max_new_tokens, max_new_tokens], so that a model that never stops
     # (a random one) still produces lengths that vary; 0: every prompt gets max_new_tokens
     max_new_tokens_jitter: float = 0.0
+    # benchmarks: the tokenizer's end-of-sequence token does not end a sample, only the
+    # response limit does (every sample the same length; vLLM's ignore_eos)
+    ignore_eos: bool = False
     # sampling temperature (0: greedy); the learner computes its log-probs at it
     temperature: float = 1.0
     # nucleus sampling mass (1: off)

@@ -190,6 +190,18 @@ def test_step_reports_losses_kl_per_estimator_mismatch_and_throughput(model_dir:
     assert "perf/mfu" not in PolicyTrainer(model_dir, CONFIG).train_step(batch)
 
 
+def test_step_reports_the_seconds_of_each_of_its_phases(model_dir: Path):
+    trainer = PolicyTrainer(model_dir, CONFIG, AlgorithmConfig(use_kl_loss=True))
+    batch = make_batch(seed=2)
+    metrics = trainer.train_step(batch)  # the reference forward runs here: none on the batch
+    phases = ("perf/reference_s", "perf/proximal_s", "perf/update_s")
+    assert all(metrics[k] > 0 for k in phases), metrics
+    assert sum(metrics[k] for k in phases) <= metrics["perf/step_time_s"] + 1e-3
+    # reference log-probs on the batch (a reference service computed them): no such phase
+    given = batch.replace(ref_logprobs=trainer.ref_logprobs(batch))
+    assert "perf/reference_s" not in trainer.train_step(given)
+
+
 def test_two_runs_with_same_seed_are_bitwise_identical(model_dir: Path):
     config = CONFIG.replace(shuffle=True, ppo_epochs=2)
     states, losses = [], []

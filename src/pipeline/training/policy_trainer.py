@@ -51,6 +51,7 @@ from pipeline.training.loss_terms import (
 )
 from pipeline.training.metrics import Metrics, MetricSums, MetricVector
 from pipeline.training.micro_batching import MicroBatch
+from pipeline.training.phase_clock import PhaseClock
 from pipeline.training.reference import ReferencePolicy
 
 _BATCH_KEYS = (
@@ -208,9 +209,11 @@ class PolicyTrainer:
         cfg = self.config
         # V-trace's target log-probs must exist before the first update
         fused = cfg.fuse_proximal and cfg.ppo_epochs == 1 and cfg.mini_batches == 1 and not vtrace
+        clock = PhaseClock(self.info.device)
         ref = batch.ref_logprobs
         if ref is None and self.reference is not None:
             ref = self.ref_logprobs(batch)
+            clock.mark("reference")
         if alg.use_kl_loss and ref is None:
             raise ConfigError(
                 "algorithm.use_kl_loss needs reference log-probs: put ref_logprobs on the batch "
@@ -225,6 +228,7 @@ class PolicyTrainer:
         prox = is_w = None  # fused: each micro-batch takes them from its own forward
         if not fused:
             prox = self.compute_logprobs(batch)  # (n, R)
+            clock.mark("proximal")
             if vtrace:
                 batch = self._vtrace_advantages(batch, prox, sums)
         if alg.advantage_estimator in ("gae", "vtrace") and alg.whiten_advantages:
@@ -243,6 +247,7 @@ class PolicyTrainer:
         sums.add("perf/tokens", float(stats.local_tokens))
         self.engine.train_steps += 1
         staged = self.engine.stage_step(stats, sums)
+        clock.mark("update")
         step = self.engine.train_steps
 
         def finish() -> dict[str, float]:
@@ -251,7 +256,7 @@ class PolicyTrainer:
             # a step submitted before the previous one's result counts from that result
             elapsed = done - max(start, self._last_done)
             self._last_done = done
-            return self._finish_metrics(raw, staged, kl_keys, elapsed, step)
+            return {**self._finish_metrics(raw, staged, kl_keys, elapsed, step), **clock.seconds()}
 
         return PendingStep(finish, staged.ready)
 

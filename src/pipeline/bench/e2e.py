@@ -53,7 +53,24 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
     wall = t1 - t0
     gen_busy = _busy(spans["rollout"], t0, t1)
     train_busy = _busy([s for s in spans["learner"] if s["name"] == "train"], t0, t1)
+    steady = steps[skip + 1 :]
+    # the learner's phases on its device (perf/*_s) and the weight sync, per step
+    phases = {
+        name: sum(s.get(key, 0.0) for s in steady) / len(steady)
+        for name, key in (
+            ("reference", "perf/reference_s"),
+            ("proximal", "perf/proximal_s"),
+            ("update", "perf/update_s"),
+            ("weight_sync", "sync_seconds"),
+        )
+    }
+    gen_per_step = gen_busy / len(steady)
+    train_phases = phases["reference"] + phases["proximal"] + phases["update"]
     return {
+        **{f"{name}_s_per_step": value for name, value in phases.items()},
+        # one step with the phases in series, and with generation beside the learner's work
+        "bound_sum_s_per_step": gen_per_step + train_phases + phases["weight_sync"],
+        "bound_max_s_per_step": max(gen_per_step, train_phases + phases["weight_sync"]),
         "samples_per_s": samples / wall,
         "wall_s": wall,
         "samples": samples,

@@ -29,10 +29,11 @@ class PhaseClock:
     def seconds(self) -> dict[str, float]:
         """`perf/<phase>_s` per phase marked; waits for the last mark on a GPU."""
         out: dict[str, float] = {}
+        if self._cuda and self._marks:
+            self._marks[-1][1].synchronize()  # stream order: the earlier marks are done too
         previous = self._start
         for phase, now in self._marks:
             if self._cuda:
-                now.synchronize()
                 out[f"perf/{phase}_s"] = previous.elapsed_time(now) / 1000.0
             else:
                 out[f"perf/{phase}_s"] = now - previous

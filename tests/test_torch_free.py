@@ -42,3 +42,17 @@ def test_light_modules_do_not_import_torch_or_transformers(group: str):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_launcher_loads_a_gpu_profile_without_torch():
+    """A GPU profile sets inductor options (learner.trainer.compile_options): the launcher
+    leaves their check to the trainer that compiles, which imports torch anyway."""
+    code = (
+        "import sys\n"
+        "from pipeline.config import load_config\n"
+        "config = load_config('profiles/h200-single.toml', {})\n"
+        "assert config.learner.trainer.compile_options\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

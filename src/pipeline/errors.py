@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+# a process's exit code when its config is refused: the supervisor does not restart it
+EXIT_CONFIG = 2
+
+
 class PipelineError(Exception):
     """Base of every error this project raises on purpose."""
 

@@ -453,14 +453,16 @@ def schedule_rows(entry: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.runtime.cli_args import service_args
-
-    args, config = service_args("controller", argv)
-    configure_logging()
-    bind_process(service="controller")
+    from pipeline.runtime.cli_args import config_refused, service_args
     from pipeline.transport.channel import run_async
 
-    summary = run_async(Controller(config, layout.run_dir(config)).run())
+    try:
+        args, config = service_args("controller", argv)
+        configure_logging()
+        bind_process(service="controller")
+        summary = run_async(Controller(config, layout.run_dir(config)).run())
+    except ConfigError as exc:
+        return config_refused(exc)
     return 0 if summary["completed"] or args.allow_incomplete else 1
 
 

@@ -52,6 +52,24 @@ def test_config_errors_exit_2_on_stderr_and_an_existing_run_name_needs_resume(tm
     assert fresh.returncode == 2 and "no run named 'never'" in fresh.stderr
 
 
+def test_a_service_that_refuses_its_config_ends_the_run_with_exit_2_and_no_restart(tmp_path):
+    """An inductor option torch does not know is refused by the learner that compiles
+    (the launcher imports no torch): the cause on stderr, exit code 2, no restart."""
+    bad = _run(
+        tmp_path,
+        "badopt",
+        "--learner.trainer.compile",
+        "true",
+        "--learner.trainer.compile_options",
+        '{"triton.nope" = true}',
+    )
+    said = _said(bad)
+    assert bad.returncode == 2, said
+    assert "learner-0 exited with code 2" in said and "'triton.nope' is not an inductor" in said
+    events = json.loads((tmp_path / "runs/badopt/supervisor.json").read_text())
+    assert events["restarts"]["learner-0"] == 0
+
+
 def test_overlong_prompts_are_refused_with_the_fix_or_dropped_and_counted(tmp_path):
     data = tmp_path / "long.jsonl"
     rows = [

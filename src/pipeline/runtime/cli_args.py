@@ -8,6 +8,7 @@ import sys
 from typing import Any, NoReturn
 
 from pipeline.config import PipelineConfig, load_config, parse_override_args
+from pipeline.errors import EXIT_CONFIG, ConfigError
 
 
 def service_parser(role: str) -> argparse.ArgumentParser:
@@ -41,9 +42,23 @@ def service_args(role: str, argv: list[str] | None) -> tuple[argparse.Namespace,
     return args, config
 
 
+def config_refused(exc: ConfigError) -> int:
+    """What a service whose config is refused returns: it says why, and exits with a code
+    the supervisor does not restart (a restart cannot fix a config)."""
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+    return EXIT_CONFIG
+
+
 def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
     """The thin main() of a data-plane service. Under torchrun (a trainer with fsdp_size >
     1) every rank joins one process group; rank 0 serves, the others follow it."""
+    try:
+        return _run_service(role, service_cls, argv)
+    except ConfigError as exc:
+        return config_refused(exc)
+
+
+def _run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
     from pipeline.runtime import layout, ranks
     from pipeline.runtime.service import follow, serve
     from pipeline.transport.channel import run_async

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 from pipeline.config import PipelineConfig
 from pipeline.config.schema import ROLES, TRAINER_ROLES
+from pipeline.errors import EXIT_CONFIG
 from pipeline.log import get_logger
 from pipeline.runtime import layout
 from pipeline.runtime.bytecode import bytecode_cache
@@ -155,6 +156,9 @@ class Supervisor:
             return False
         if self._stopping:
             return True
+        if code == EXIT_CONFIG:  # refused its config: a restart would refuse it again
+            self.log.error("service_failed", service=child.name, code=code, reason="config")
+            return False
         if child.restarts >= self.config.supervisor.max_restarts:
             self.log.error("service_failed", service=child.name, code=code, restarts=child.restarts)
             return False
@@ -212,7 +216,7 @@ class Supervisor:
                     if rc is not None and not (child.role != "controller" and rc == 0):
                         keep_going = self._on_exit(child, rc)
                         if not keep_going:
-                            if child.role == "controller":
+                            if child.role == "controller" or rc == EXIT_CONFIG:
                                 code = rc
                             break
                 if not keep_going:

@@ -244,8 +244,6 @@ class TrainerConfig:
                 f"set {_SECTION}.compile_mode to default, reduce-overhead or max-autotune "
                 f"(got {self.compile_mode!r})"
             )
-        if self.compile_options:
-            _check_inductor_options(self.compile_options)
         if self.trunk_graphs:
             self._validate_trunk_graphs()
         if self.peak_flops < 0:
@@ -284,6 +282,9 @@ class TrainerConfig:
             return {"backend": self.compile_backend, **common}
         if not self.compile_options:
             return {"mode": self.compile_mode, **common}
+        # checked here, where the trainer builds, not in validate(): the launcher imports
+        # no torch (seconds on a host whose packages hold no bytecode)
+        _check_inductor_options(self.compile_options)
         from torch._inductor import list_mode_options
 
         options = {**list_mode_options(self.compile_mode), **self.compile_options}
@@ -323,7 +324,7 @@ class TrainerConfig:
 
 def _check_inductor_options(options: Mapping[str, Any]) -> None:
     """Each key an inductor config name, each value of its type (what torch.compile would
-    raise only at the first call of the compiled module, minutes into a run)."""
+    raise only at the first call of the compiled module, after the warm-up's traces)."""
     from torch._inductor import config as inductor
 
     known = inductor.get_config_copy()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 # a process's exit code when its config is refused: the supervisor does not restart it
 EXIT_CONFIG = 2
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import emit, emit_file, figure
+from pipeline.bench.common import cpu_name, emit, emit_file, figure
 
 VARIANTS = {
     "grpo": [
@@ -194,7 +194,14 @@ def figures(
                 baseline_value=other.get("first_step_s", float("nan")),
                 bound=steady,
                 lower_is_better=True,
-                config={"profile": args.profile, "shape": args.shape, "steps": args.steps, **r},
+                # the host's CPU: a start-up is mostly host work (imports, traces, loads)
+                config={
+                    "profile": args.profile,
+                    "shape": args.shape,
+                    "steps": args.steps,
+                    "host_cpu": cpu_name(),
+                    **r,
+                },
                 device=device_label(args.device),
             )
         )

@@ -113,7 +113,10 @@ class DecoderTrunk(nn.Module):
         x = self.embed_tokens(input_ids) if embeds is None else embeds  # (batch, seq, hidden)
         cos, sin = self.rotary_emb(positions, x.dtype)  # (batch, seq, head_dim)
         if self.fused_norm:
-            delta = None  # the last block's output is x + delta
+            # the last block's output is x + delta; the first adds zeros, which require
+            # grad as later deltas do, so that every layer runs one compiled graph (a None
+            # delta, or one that differs in requires_grad, is a variant of its own)
+            delta = torch.zeros_like(x).requires_grad_(x.requires_grad)
             for layer in self.layers:
                 x, delta = layer(x, cos, sin, spec, delta)
             return self.norm.add_norm(x, delta)[1]

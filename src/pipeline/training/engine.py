@@ -128,7 +128,9 @@ def place_model(
     if isinstance(model, CausalLM):
         model.tie_weights()  # a conversion may have replaced the shared parameter
     if not trainable:
-        model.requires_grad_(False)
+        # no gradients: it runs under no_grad only. Its parameters keep requires_grad as
+        # the policy's do, so that its compiled blocks are the policy's no-grad forward
+        # (a requires_grad that differs is a variant of its own: compiled and loaded twice)
         model.eval()
     if is_distributed():
         parallelize(

@@ -315,6 +315,9 @@ class SupervisorConfig:
     restart_backoff_s: float = 0.5
     # seconds a service gets to stop after SIGTERM before SIGKILL
     stop_timeout_s: float = 10.0
+    # seconds the services get, once the run has finished, to save their last state and
+    # exit on their own (a trainer's last checkpoint) before they are stopped
+    save_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)

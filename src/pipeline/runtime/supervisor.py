@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -114,10 +115,32 @@ class Supervisor:
     def pids(self) -> dict[str, int]:
         return {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}
 
+    def _record_exit(self, child: Child, code: int) -> None:
+        child.exits.append(code)
+        self.events.append({"time": time.time(), "service": child.name, "exit": code})
+
+    def _live(self) -> list[Child]:
+        return [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+
+    def await_exits(self, timeout_s: float, interrupted: Callable[[], bool]) -> None:
+        """Wait for the services to exit on their own (told to by the controller at the
+        run's end; a trainer saves its last checkpoint first), up to `timeout_s`."""
+        self._stopping = True  # an exit now is the end of the run, not a crash
+        deadline = time.monotonic() + timeout_s
+        waiting = self._live()
+        while (live := self._live()) and time.monotonic() < deadline and not interrupted():
+            time.sleep(0.2)
+        for child in waiting:
+            if child not in live:
+                assert child.proc is not None and child.proc.returncode is not None
+                self._record_exit(child, child.proc.returncode)
+        if live:
+            self.log.warning("services_still_saving", services=[c.name for c in live])
+
     def stop_all(self) -> None:
         """SIGTERM every live child, SIGKILL what is left after the deadline. Idempotent."""
         self._stopping = True
-        live = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+        live = self._live()
         for child in live:
             self._signal(child, signal.SIGTERM)
         deadline = time.monotonic() + self.config.supervisor.stop_timeout_s
@@ -128,7 +151,12 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 self.log.warning("service_killed", service=child.name, pid=child.proc.pid)
                 self._signal(child, signal.SIGKILL)
-                child.proc.wait(timeout=5)
+        for child in live:  # a killed process may take a while to release its device
+            assert child.proc is not None
+            try:
+                self._record_exit(child, child.proc.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                self.log.error("service_unreaped", service=child.name, pid=child.proc.pid)
         for child in self.children:
             if child.log_file is not None:
                 child.log_file.close()
@@ -142,8 +170,7 @@ class Supervisor:
 
     def _on_exit(self, child: Child, code: int) -> bool:
         """Handle a child that exited; returns False when the run must end."""
-        child.exits.append(code)
-        self.events.append({"time": time.time(), "service": child.name, "exit": code})
+        self._record_exit(child, code)
         if code != 0 and not self._stopping:
             log_path = self.run_dir / "logs" / f"{child.name}.log"
             print(
@@ -222,6 +249,8 @@ class Supervisor:
                 if not keep_going:
                     break
                 time.sleep(0.2)
+            if not interrupted and code == 0:
+                self.await_exits(self.config.supervisor.save_timeout_s, lambda: interrupted)
             if interrupted:
                 self.log.warning("interrupted", message="stopping every service")
                 code = 130

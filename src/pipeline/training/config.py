@@ -83,7 +83,8 @@ class TrainerConfig:
     # pack sequences end to end (varlen attention) instead of padding them
     padding_free: bool = True
     # > 0: packed micro-batches padded to a multiple of this many tokens (and cu_seqlens /
-    # max_seqlen to powers of two) so CUDA graphs see few shapes; 0: no padding at all
+    # max_seqlen to powers of two) so CUDA graphs and compiled blocks see few shapes (CUDA's
+    # varlen attention takes max_seqlen as a number: each new one recompiles); 0: no padding
     pack_bucket_tokens: int = 0
     shuffle: bool = False  # permute samples each epoch (seeded by seed, step, epoch)
     # tokens per chunk of the output layer's log-prob pass (memory)

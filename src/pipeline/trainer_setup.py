@@ -93,23 +93,28 @@ def compiles(trainer: TrainerConfig) -> bool:
 
 
 def warm_up_batches(config: PipelineConfig, vocab_size: int) -> list[ExperienceBatch]:
-    """Two batches of the run's lengths: one whose sequences all have the longest
-    prompt and response (the packed micro-batch attends as rows), one of mixed lengths
-    (varlen); with every per-token field a trainer may read, so that every estimator's
-    path runs. Two groups of `n_samples` (no size 0 or 1, which the compiler special-
-    cases)."""
+    """Two batches of a step's samples at the run's lengths: one whose sequences all have
+    the longest prompt and response (the packed micro-batch attends as rows), one of
+    lengths spread over the upper half (varlen); with every per-token field a trainer may
+    read, so that every estimator's path runs. As many samples as a step trains, so that
+    the micro-batches are as large as a step's: inductor guards some fusions on the
+    token count. Groups of two (no size 0 or 1, which the compiler special-cases)."""
     import torch
 
     from pipeline.training import ExperienceBatch
 
     prompt, response = config.task.max_prompt_tokens, config.rollout.max_new_tokens
-    n = 2 * max(2, config.rollout.n_samples)
+    step = config.controller.prompts_per_step * config.rollout.n_samples
+    n = max(4, step + step % 2)
     with_ref = config.reference_host() is not None
     generator = torch.Generator().manual_seed(0)
     batches = []
     for lengths in (
         [(prompt, response)] * n,
-        [(max(1, prompt - 3 * i), max(2, response - 5 * i)) for i in range(n)],
+        [
+            (prompt - (3 * i) % max(1, prompt // 2), response - (5 * i) % max(1, response // 2))
+            for i in range(n)
+        ],
     ):
         prompts = [torch.randint(vocab_size, (p,), generator=generator) for p, _ in lengths]
         responses = [torch.randint(vocab_size, (r,), generator=generator) for _, r in lengths]

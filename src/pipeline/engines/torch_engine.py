@@ -58,6 +58,7 @@ from pipeline.models import CausalLM, KVCache, load_model
 from pipeline.models.attention import eager_attend
 from pipeline.models.decode_attention import decode_kernel_supported
 from pipeline.models.fused import fuse_projections
+from pipeline.training.compile_limits import allow_recompiles
 
 _log = get_logger("engines.torch")
 
@@ -136,6 +137,7 @@ class _RunningView:
 def compile_for_decoding(model: CausalLM) -> None:
     """torch.compile every block in place, with its attention (KV-cache write included)
     left eager: one symbolic-shape graph serves prefill and decode of any batch."""
+    allow_recompiles()
     for block in model.model.layers:
         eager_attend(block.self_attn)  # type: ignore[union-attr, arg-type]
         block.compile(dynamic=True)

@@ -279,3 +279,36 @@ def test_warm_up_cpu(tmp_path: Path) -> None:
         assert 0 < config["build_s"] < fig["value"] and config["cpu_kernels"] == []
     assert figs[1]["baseline_value"] == figs[0]["value"]
     assert len(figs[1]["config"]["cprofile_cumulative"]) == 5
+
+
+def test_e2e_preset_cpu(tmp_path: Path) -> None:
+    """The one-GPU workload's preset, KL-PPO, shortened for a CPU: its prompts of 62 tokens,
+    the critic's busy seconds, each pool's idle share, the bounds of the phases."""
+    out_file = tmp_path / "e2e.json"
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "pipeline.bench.e2e", "--preset", "one-gpu", "--variant", "ppo"]
+    cmd += ["--device", "cpu", "--shape", "tiny", "--profile", "profiles/local-cpu-ppo.toml"]
+    cmd += ["--steps", "4", "--skip", "1", "--staleness", "0", "--json", str(out_file)]
+    cmd += ["--runs-dir", str(runs), "--rollout.max_new_tokens", "6"]
+    cmd += ["--controller.prompts_per_step", "4", "--learner.trainer.mini_batches", "2"]
+    (fig,) = _bench_figures(cmd, out_file)
+    config = fig["config"]
+    assert fig["figure"] == "samples_per_s_staleness0_local-cpu-ppo"
+    assert config["preset"] == "one-gpu ppo" and config["samples_per_step"] == 4 * 8
+    assert config["critic_s_per_step"] > 0 and 0 <= config["idle_share.local"] < 1
+    assert config["bound_max_s_per_step"] <= config["bound_sum_s_per_step"]
+    run_config = json.loads((runs / "e2e-local-cpu-ppo-s0/config.json").read_text())
+    assert run_config["task"]["max_prompt_tokens"] == 62 and run_config["rollout"]["ignore_eos"]
+    assert run_config["algorithm"]["use_kl_loss"] and run_config["critic"]["enabled"]
+
+
+def test_the_e2e_workload_prompts_have_62_tokens(tmp_path: Path) -> None:
+    from pipeline.bench.e2e_workload import ROWS, write_prompts
+    from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
+
+    save_char_tokenizer(tmp_path / "tok")
+    path = write_prompts(tmp_path / "p.jsonl", tmp_path / "tok")
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == ROWS and len({r["prompt"] for r in rows}) == ROWS
+    assert {len(tokenizer.encode(r["prompt"])) for r in rows} == {62}

@@ -29,16 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.common import cpu_name, emit, emit_file, figure
-
-VARIANTS = {
-    "grpo": [
-        "--critic.enabled", "false",
-        "--services.critic.replicas", "0",
-        "--algorithm.advantage_estimator", "grpo",
-        "--algorithm.whiten_advantages", "false",
-    ],
-    "ppo": [],
-}  # fmt: skip
+from pipeline.bench.e2e_workload import VARIANTS
 
 
 class MemorySampler:

@@ -2,12 +2,20 @@
 
     python -m pipeline.bench.e2e [--profile P] [--steps N] [--staleness 0,1,2]
         [--shape 0.5b|7b|tiny] [--json OUT] [--section.key VALUE ...]
+    python -m pipeline.bench.e2e --preset one-gpu [--variant grpo|ppo] [--json OUT]
 
 Each setting is a whole `pipeline run` of the same profile and the same number of steps,
 one after the other in this run; sync (staleness 0) is the baseline. The bound is the
 slower of generation and training alone, estimated from the sync run's own spans (busy
 seconds of the rollout service and of the learner per step). The idle share of each side
 is 1 - busy / wall over the steady part of the run.
+
+`--preset one-gpu` is the one-GPU workload of bench/e2e_workload.py on
+profiles/h200-single.toml: 30 steps, the last 10 measured, staleness 0 and 1; `--variant
+ppo` with the critic. Per step it reports each phase's busy seconds (generation, the
+learner's reference, proximal and update phases on its device, the critic, the weight
+sync), each device's idle share (1 - the union of the busy spans of the services placed on
+it, over the wall time) and the bounds: the phases in series, and generation beside the rest.
 
 `--shape` runs a randomly initialised model of that standard shape (docs/performance.md) with the
 profile's task and the char-level tokenizer instead of the generated tiny model, no warm
@@ -39,20 +47,49 @@ def _busy(spans: list[dict[str, Any]], start: float, end: float) -> float:
     return covered((max(s["start"], start), min(s["end"], end)) for s in spans)
 
 
+def _service_spans(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The busy spans of each service (`role-replica`) of a run."""
+    return {
+        path.stem: [r for r in _jsonl(path) if r.get("kind") == "span"]
+        for path in (run_dir / "metrics").glob("*-*.jsonl")
+    }
+
+
+def device_idle(run_dir: Path, spans: dict[str, list[dict[str, Any]]], t0: float, t1: float):
+    """1 - busy / wall of each device the run placed services on (`idle_share.<pool>.<id>`;
+    a pool that lists no devices, a CPU pool, counts as one: `idle_share.<pool>`), a device
+    busy while any service on it is."""
+    from pipeline.config.profile import config_from_json
+
+    config = config_from_json((run_dir / "config.json").read_text())
+    on: dict[str, list[dict[str, Any]]] = {}
+    for service, found in spans.items():
+        role, _, replica = service.rpartition("-")
+        placement = config.services.get(role)
+        if placement is None or not replica.isdigit():
+            continue
+        devices = [f".{d}" for d in config.devices(role, int(replica))] or [""]
+        for device in devices:
+            on.setdefault(f"idle_share.{placement.pool}{device}", []).extend(found)
+    return {key: 1 - _busy(found, t0, t1) / (t1 - t0) for key, found in sorted(on.items())}
+
+
 def measure(run_dir: Path, skip: int) -> dict[str, float]:
     steps = _jsonl(run_dir / "metrics" / "steps.jsonl")
     if len(steps) <= skip + 1:
         raise SystemExit(f"{run_dir}: only {len(steps)} steps; raise --steps")
     t0, t1 = steps[skip]["time"], steps[-1]["time"]
     samples = sum(s["trained"] for s in steps[skip + 1 :])
-    spans: dict[str, list[dict[str, Any]]] = {"rollout": [], "learner": []}
-    for path in (run_dir / "metrics").glob("*-*.jsonl"):
-        role = path.stem.split("-")[0]
+    by_service = _service_spans(run_dir)
+    spans: dict[str, list[dict[str, Any]]] = {"rollout": [], "learner": [], "critic": []}
+    for service, found in by_service.items():
+        role = service.split("-")[0]
         if role in spans:
-            spans[role].extend(r for r in _jsonl(path) if r.get("kind") == "span")
+            spans[role].extend(found)
     wall = t1 - t0
     gen_busy = _busy(spans["rollout"], t0, t1)
     train_busy = _busy([s for s in spans["learner"] if s["name"] == "train"], t0, t1)
+    critic_busy = _busy(spans["critic"], t0, t1)
     steady = steps[skip + 1 :]
     # the learner's phases on its device (perf/*_s) and the weight sync, per step
     phases = {
@@ -65,12 +102,16 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
         )
     }
     gen_per_step = gen_busy / len(steady)
+    critic_per_step = critic_busy / len(steady)
     train_phases = phases["reference"] + phases["proximal"] + phases["update"]
+    rest = train_phases + critic_per_step + phases["weight_sync"]
     return {
         **{f"{name}_s_per_step": value for name, value in phases.items()},
-        # one step with the phases in series, and with generation beside the learner's work
-        "bound_sum_s_per_step": gen_per_step + train_phases + phases["weight_sync"],
-        "bound_max_s_per_step": max(gen_per_step, train_phases + phases["weight_sync"]),
+        "critic_s_per_step": critic_per_step,
+        # one step with the phases in series, and with generation beside the rest
+        "bound_sum_s_per_step": gen_per_step + rest,
+        "bound_max_s_per_step": max(gen_per_step, rest),
+        **device_idle(run_dir, by_service, t0, t1),
         "samples_per_s": samples / wall,
         "wall_s": wall,
         "samples": samples,
@@ -133,8 +174,22 @@ def run_one(profile: str, steps: int, staleness: int, runs: Path, extra: list[st
     return runs / name
 
 
+PRESETS = {
+    "one-gpu": {
+        "profile": "profiles/h200-single.toml",
+        "shape": "0.5b",
+        "device": "cuda",
+        "steps": 30,
+        "skip": 20,
+        "staleness": "0,1",
+    }
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    ap.add_argument("--variant", default="grpo", help="with --preset: grpo or ppo")
     ap.add_argument("--profile", default="profiles/local-cpu.toml")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
@@ -143,12 +198,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (labelled by GPU name)")
     ap.add_argument("--shape", default=None, help="random model of this shape (e.g. 0.5b)")
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here")
+    known, _ = ap.parse_known_args(argv)
+    if known.preset is not None:  # the preset's values, unless given on the command line
+        ap.set_defaults(**PRESETS[known.preset])
     args, extra = ap.parse_known_args(argv)
     levels = [int(x) for x in args.staleness.split(",")]
     if 0 not in levels:
         raise SystemExit("the baseline needs staleness 0 in --staleness")
     levels = [0, *(x for x in levels if x != 0)]  # the baseline first: partial results stand
     config = {
+        "preset": f"{args.preset} {args.variant}" if args.preset else "none",
         "profile": args.profile,
         "shape": args.shape or "profile's model",
         "steps": args.steps,
@@ -158,6 +217,12 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         if args.shape:
             extra = [*extra, *shape_model(args.shape, Path(tmp) / "model", args.device)]
+        if args.preset:
+            from pipeline.bench.e2e_workload import workload_overrides
+
+            if not args.shape:
+                raise SystemExit("--preset needs a --shape (its model's tokenizer sizes prompts)")
+            extra = [*workload_overrides(args.variant, Path(tmp) / "model", Path(tmp)), *extra]
         config["extra"] = " ".join(extra).replace(str(Path(tempfile.gettempdir())), "$TMP")
         runs = args.runs_dir or Path(tmp)
         for level in levels:

@@ -21,7 +21,7 @@ from pipeline.config import PipelineConfig
 from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp, StepDone
 from pipeline.runtime.ranks import decode_groups
-from pipeline.samples import GroupArrays
+from pipeline.samples import GroupArrays, on_policy
 from pipeline.trainer_setup import batch_from_groups, policy_config, warm_up
 
 
@@ -81,7 +81,9 @@ class LearnerWorker:
         if op == RankOp.SETUP:
             self.build(command.step)
         elif op == RankOp.TRAIN:
-            self.trainer.submit_step(self.rank_batch(decode_groups(command.groups))).result()
+            groups = decode_groups(command.groups)
+            fresh = on_policy(groups, command.version)
+            self.trainer.submit_step(self.rank_batch(groups), on_policy=fresh).result()
         elif op == RankOp.CHECKPOINT:
             self.save(json.loads(command.text))
         elif op == RankOp.PUBLISH:

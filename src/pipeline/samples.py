@@ -48,6 +48,24 @@ class GroupArrays:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def staleness(group: GroupArrays, version: int) -> int:
+    """How many versions behind the learner the oldest token of the group is."""
+    oldest = min(
+        (int(s.token_versions.min()) for s in group.samples if len(s.token_versions)),
+        default=version,
+    )
+    return version - oldest
+
+
+def on_policy(groups: list[GroupArrays], version: int) -> bool:
+    """Whether the weights of `version` sampled every token of the groups."""
+    return all(
+        len(s.token_versions) == 0 or bool((s.token_versions == version).all())
+        for g in groups
+        for s in g.samples
+    )
+
+
 def read_group(message: codec.Message) -> GroupArrays:
     body: SampleGroup = message.body
     samples = []

@@ -14,6 +14,7 @@ second time, and reports the step again (the controller ignores a step it alread
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -29,20 +30,11 @@ from pipeline.learner_worker import LearnerWorker, TrainedStep, early_parts
 from pipeline.messages import RankCommand, RankOp, StepDone
 from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
-from pipeline.samples import GroupArrays, read_group
+from pipeline.samples import GroupArrays, on_policy, read_group, staleness
 from pipeline.step_reports import StepReports
 from pipeline.trainer_setup import Recompiles, compile_counts, group_stats
 from pipeline.transport import Delivery
 from pipeline.transport.channel import cancel_and_wait
-
-
-def staleness(group: GroupArrays, version: int) -> int:
-    """How many versions behind the learner the oldest token of the group is."""
-    oldest = min(
-        (int(s.token_versions.min()) for s in group.samples if len(s.token_versions)),
-        default=version,
-    )
-    return version - oldest
 
 
 def batch_stats(groups: list[GroupArrays]) -> dict[str, float]:
@@ -233,7 +225,7 @@ class LearnerService(Service):
             metrics = batch_stats(groups)
             wall = time.time()
             if self.worker is not None:
-                pending = await self._submit(groups, self.step)
+                pending = await self._submit(groups, self.step, self.version)
                 metrics.update(await self._metrics(groups, pending))
             self.span("train", wall, time.time(), step=self.step)
             metrics["step_seconds"] = time.perf_counter() - start
@@ -265,13 +257,18 @@ class LearnerService(Service):
             for delivery, _ in fresh:
                 delivery.ack()
 
-    def _submit(self, groups: list[GroupArrays], step: int) -> Awaitable[Any]:
+    def _submit(self, groups: list[GroupArrays], step: int, version: int) -> Awaitable[Any]:
         """One PPO step queued on every rank: the caller awaits its PendingStep (no frame
-        of this method between the loop and the trainer in a traceback)."""
+        of this method between the loop and the trainer in a traceback). `version`: the
+        weights' version, which tells an on-policy batch (every rank decides alike)."""
         assert self.worker is not None
-        command = RankCommand(op=RankOp.TRAIN, step=step, groups=encode_groups(groups))
+        command = RankCommand(
+            op=RankOp.TRAIN, step=step, version=version, groups=encode_groups(groups)
+        )
         batch = self.worker.rank_batch(groups)
-        return self.thread.run(self.worker.trainer.submit_step, batch, command=command)
+        fresh = on_policy(groups, version)
+        submit = functools.partial(self.worker.trainer.submit_step, on_policy=fresh)
+        return self.thread.run(submit, batch, command=command)
 
     async def _metrics(self, groups: list[GroupArrays], pending: Any) -> dict[str, float]:
         """The step's metrics (waiting for the device), with the groups' stage stats."""
@@ -313,7 +310,7 @@ class LearnerService(Service):
             groups = [read_group(by_uid[uid]) for uid in steps[step]]
             metrics = batch_stats(groups)
             if self.worker is not None:
-                pending = await self._submit(groups, step)
+                pending = await self._submit(groups, step, step)
                 metrics.update(await self._metrics(groups, pending))
                 trained = [s.uid for g in groups for s in g.samples]
                 done = StepDone(

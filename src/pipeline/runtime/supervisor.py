@@ -300,7 +300,9 @@ def kl_text(step: dict[str, Any]) -> str:
     engine's and the learner's log-probs."""
     if "kl/k3" in step:
         return f"kl {step['kl/k3']:.4f}"
-    return f"mismatch kl {step.get('mismatch/kl', 0.0):.2e}"
+    if "mismatch/kl" not in step:  # not measured (reused behaviour log-probs)
+        return "mismatch kl -"
+    return f"mismatch kl {step['mismatch/kl']:.2e}"
 
 
 def failure_cause(log_path: Path, limit: int = 1 << 16) -> str:

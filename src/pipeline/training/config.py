@@ -29,6 +29,9 @@ _SECTION = "trainer"
 # read by the policy's log-probs and loss only (PolicyTrainer), never by a value model
 POLICY_ONLY = (
     "fuse_proximal",
+    "reuse_behaviour_logprobs",
+    "reuse_check_every",
+    "reuse_max_mismatch_kl",
     "logprob_chunk_tokens",
     "logprob_keep_logits",
     "temperature",
@@ -77,6 +80,14 @@ class TrainerConfig:
     # with one optimizer step per update (1 epoch, 1 mini-batch) the proximal policy is the
     # training forward itself: take its log-probs (detached) instead of a separate forward
     fuse_proximal: bool = True
+    # a batch the current weights sampled (every token of the learner's current version,
+    # staleness 0): its behaviour log-probs are the proximal ones, no forward for them. The
+    # engine's kernels differ from the learner's, so every reuse_check_every-th such step
+    # runs the forward and measures the mismatch; above reuse_max_mismatch_kl the run stops
+    # reusing (logged). The first such step is a check
+    reuse_behaviour_logprobs: bool = False
+    reuse_check_every: int = 10
+    reuse_max_mismatch_kl: float = 1e-3
     # tokens of one forward/backward (gradients accumulate over micro-batches)
     max_tokens_per_micro_batch: int = 4096
     infer_max_tokens_per_micro_batch: int = 0  # no-grad forwards; 0: same as training
@@ -206,6 +217,10 @@ class TrainerConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"set {_SECTION}.{key} to an integer >= 1 (got {value!r})")
+        if isinstance(self.reuse_check_every, bool) or self.reuse_check_every < 1:
+            raise ConfigError(f"set {_SECTION}.reuse_check_every to an integer >= 1")
+        if not self.reuse_max_mismatch_kl > 0:
+            raise ConfigError(f"set {_SECTION}.reuse_max_mismatch_kl > 0")
         if self.pack_bucket_tokens < 0:
             raise ConfigError(f"set {_SECTION}.pack_bucket_tokens >= 0 (0: no padding)")
         if self.infer_max_tokens_per_micro_batch < 0:

@@ -33,6 +33,7 @@ from pipeline.algorithms import (
     truncated_is_weights,
 )
 from pipeline.errors import ConfigError
+from pipeline.log import get_logger
 from pipeline.models import CausalLM, load_model
 from pipeline.training.advantages import global_whiten, group_advantages, vtrace
 from pipeline.training.batch import ExperienceBatch
@@ -74,6 +75,46 @@ def _load_causal_lm(model: str | os.PathLike[str] | CausalLM) -> CausalLM:
     loaded = load_model(model, dtype=torch.float32)
     assert isinstance(loaded, CausalLM)
     return loaded
+
+
+class ReuseCheck:
+    """When a batch's behaviour log-probs serve as the proximal ones
+    (`trainer.reuse_behaviour_logprobs`): on-policy batches only, every
+    `reuse_check_every`-th of them (the first too) measured instead, and never again once a
+    measured mismatch KL exceeds `reuse_max_mismatch_kl`."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        self.config = config
+        self.allowed = config.reuse_behaviour_logprobs
+        self.on_policy_steps = 0
+        self.log = get_logger("training.reuse")
+
+    def reuses(self, on_policy: bool) -> bool:
+        if not (on_policy and self.allowed):
+            return False
+        check = self.on_policy_steps % self.config.reuse_check_every == 0
+        self.on_policy_steps += 1
+        return not check
+
+    def settle(self, metrics: dict[str, float], *, reused: bool, checked: bool) -> None:
+        """A finished step's metrics: the mismatch a reused step did not measure left out,
+        a check's mismatch against the bound."""
+        metrics["actor/proximal_reused"] = float(reused)
+        if reused:
+            for key in ("mismatch/kl", "mismatch/mean_abs_diff", "mismatch/truncated_frac"):
+                metrics.pop(key, None)
+            metrics.pop("mismatch/max_abs_diff", None)
+        elif checked and self.allowed:
+            kl = metrics.get("mismatch/kl", 0.0)
+            if not kl <= self.config.reuse_max_mismatch_kl:
+                self.allowed = False
+                self.log.warning(
+                    "proximal_reuse_stopped",
+                    mismatch_kl=kl,
+                    bound=self.config.reuse_max_mismatch_kl,
+                    message="the engine's log-probs differ from the learner's: every step "
+                    "now runs the proximal forward",
+                )
 
 
 class PendingStep:
@@ -120,6 +161,7 @@ class PolicyTrainer:
         reference = copy.deepcopy(policy) if keep_ref else None
         self.engine = TrainEngine(policy, self.config, self.info, name="policy")
         self._last_done = 0.0  # perf_counter when the last step's metrics were read
+        self._reuse = ReuseCheck(self.config)
         self._loss_terms = loss_function(self.algorithm, self.config.compile_loss)
         self.reference = (
             ReferencePolicy(reference, self.config, dist=self.info)
@@ -183,13 +225,15 @@ class PolicyTrainer:
         """One PPO update on this rank's share of the batch; returns global metrics."""
         return self.submit_step(batch).result()
 
-    def submit_step(self, batch: ExperienceBatch) -> PendingStep:
+    def submit_step(self, batch: ExperienceBatch, *, on_policy: bool = False) -> PendingStep:
         """`train_step` without waiting for the device at its end: the update is queued and
         its metrics come from `result()`. Submitting the next step first lets the host plan
         and queue it while the device finishes this one (the step's host prologue, ~3 ms of
         an H200 step, then overlaps the device's work instead of preceding it). The weights
         are read in stream order: a forward, a checkpoint or an export after a submit sees
-        the update; whatever reads the schedule or the counters settles the step first."""
+        the update; whatever reads the schedule or the counters settles the step first.
+        `on_policy`: the current weights sampled every token of the batch (staleness 0),
+        whose behaviour log-probs may then serve as the proximal ones (ReuseCheck)."""
         start = time.perf_counter()
         alg = self.algorithm
         vtrace = alg.advantage_estimator == "vtrace"
@@ -226,7 +270,10 @@ class PolicyTrainer:
             self.info.device,
         )
         prox = is_w = None  # fused: each micro-batch takes them from its own forward
-        if not fused:
+        reused = not fused and not vtrace and self._reuse.reuses(on_policy)
+        if reused:
+            prox = batch.behaviour_logprobs
+        elif not fused:
             prox = self.compute_logprobs(batch)  # (n, R)
             clock.mark("proximal")
             if vtrace:
@@ -256,7 +303,9 @@ class PolicyTrainer:
             # a step submitted before the previous one's result counts from that result
             elapsed = done - max(start, self._last_done)
             self._last_done = done
-            return {**self._finish_metrics(raw, staged, kl_keys, elapsed, step), **clock.seconds()}
+            out = self._finish_metrics(raw, staged, kl_keys, elapsed, step)
+            self._reuse.settle(out, reused=reused, checked=on_policy and not reused)
+            return {**out, **clock.seconds()}
 
         return PendingStep(finish, staged.ready)
 

@@ -81,12 +81,12 @@ class TrainerConfig:
     # training forward itself: take its log-probs (detached) instead of a separate forward
     fuse_proximal: bool = True
     # a batch the current weights sampled (every token of the learner's current version,
-    # staleness 0): its behaviour log-probs are the proximal ones, no forward for them. The
-    # engine's kernels differ from the learner's, so every reuse_check_every-th such step
-    # runs the forward and measures the mismatch; above reuse_max_mismatch_kl the run stops
-    # reusing (logged). The first such step is a check
+    # staleness 0): its behaviour log-probs are the proximal ones, no forward for them
     reuse_behaviour_logprobs: bool = False
+    # with reuse: every this many on-policy steps (the first too) run the forward anyway
+    # and measure the engine/learner mismatch (their kernels differ)
     reuse_check_every: int = 10
+    # with reuse: a measured mismatch KL above this stops the reuse for the run (logged)
     reuse_max_mismatch_kl: float = 1e-3
     # tokens of one forward/backward (gradients accumulate over micro-batches)
     max_tokens_per_micro_batch: int = 4096

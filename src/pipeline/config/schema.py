@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -10,6 +11,18 @@ from pipeline.errors import ConfigError, UnknownPool
 from pipeline.roles import QUEUES, ROLES, TRAINER_ROLES
 from pipeline.training.config import TrainerConfig
 from pipeline.transport.channel import ChannelConfig
+
+
+def _require(key: str, value: object, ok: bool, rule: str) -> None:
+    """Refuse `key` = `value` unless `ok`, saying the rule it breaks."""
+    if not ok:
+        raise ConfigError(f"set {key} {rule} (got {value!r})")
+
+
+def _seconds(key: str, value: float, *, zero: bool = False) -> None:
+    """A finite number of seconds, > 0 (>= 0 with `zero`)."""
+    ok = math.isfinite(value) and (value >= 0 if zero else value > 0)
+    _require(key, value, ok, ">= 0 (finite seconds)" if zero else "> 0 (finite seconds)")
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,8 @@ class RunConfig:
     def validate(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError(f"run.name {self.name!r} must be a non-empty name without '/'")
+        _require("run.torch_threads", self.torch_threads, self.torch_threads >= 1, ">= 1")
+        _seconds("run.handshake_timeout_s", self.handshake_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -132,6 +147,13 @@ class TaskConfig:
     # supervised steps on copying digits before RL (the generated tiny model only)
     warm_start_steps: int = 200
 
+    def validate(self) -> None:
+        _require("task.dataset_size", self.dataset_size, self.dataset_size >= 1, ">= 1")
+        _require(
+            "task.max_prompt_tokens", self.max_prompt_tokens, self.max_prompt_tokens >= 1, ">= 1"
+        )
+        _require("task.warm_start_steps", self.warm_start_steps, self.warm_start_steps >= 0, ">= 0")
+
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -159,6 +181,14 @@ class ControllerConfig:
             )
         if self.max_staleness < 0:
             raise ConfigError("controller.max_staleness must be >= 0 (0 = synchronous PPO)")
+        _require(
+            "controller.max_inflight_prompts",
+            self.max_inflight_prompts,
+            self.max_inflight_prompts >= 1,
+            ">= 1 (prompts released and not yet trained)",
+        )
+        _seconds("controller.step_timeout_s", self.step_timeout_s)
+        _seconds("controller.first_step_timeout_s", self.first_step_timeout_s, zero=True)
 
 
 @dataclass(frozen=True)
@@ -206,6 +236,13 @@ class RolloutConfig:
             raise ConfigError("rollout.top_p must be in (0, 1]")
         if not 0 <= self.max_new_tokens_jitter < 1:
             raise ConfigError("rollout.max_new_tokens_jitter must be in [0, 1)")
+        _require("rollout.max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, ">= 1")
+        ok = math.isfinite(self.temperature) and self.temperature >= 0
+        _require("rollout.temperature", self.temperature, ok, ">= 0 (0: greedy)")
+        _require("rollout.top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "-1 or >= 1")
+        _require("rollout.max_batch", self.max_batch, self.max_batch >= 1, ">= 1")
+        ok = self.prompts_in_flight >= 0
+        _require("rollout.prompts_in_flight", self.prompts_in_flight, ok, ">= 0 (0: auto)")
 
 
 @dataclass(frozen=True)
@@ -214,6 +251,9 @@ class RewardConfig:
     function: str = "auto"
     # seconds one verifier call may take before it scores 0 and counts as an error
     timeout_s: float = 5.0
+
+    def validate(self) -> None:
+        _seconds("reward.timeout_s", self.timeout_s)
 
 
 @dataclass(frozen=True)
@@ -318,6 +358,12 @@ class SupervisorConfig:
     # seconds the services get, once the run has finished, to save their last state and
     # exit on their own (a trainer's last checkpoint) before they are stopped
     save_timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        _require("supervisor.max_restarts", self.max_restarts, self.max_restarts >= 0, ">= 0")
+        _seconds("supervisor.restart_backoff_s", self.restart_backoff_s, zero=True)
+        _seconds("supervisor.stop_timeout_s", self.stop_timeout_s)
+        _seconds("supervisor.save_timeout_s", self.save_timeout_s, zero=True)
 
 
 @dataclass(frozen=True)

@@ -349,8 +349,10 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    # restarts of one service before the run ends
+    # restarts of one service within restart_window_s before the run ends
     max_restarts: int = 3
+    # seconds over which restarts count against max_restarts (older ones no longer do)
+    restart_window_s: float = 3600.0
     # seconds before a crashed service starts again
     restart_backoff_s: float = 0.5
     # seconds a service gets to stop after SIGTERM before SIGKILL
@@ -362,6 +364,7 @@ class SupervisorConfig:
     def validate(self) -> None:
         _require("supervisor.max_restarts", self.max_restarts, self.max_restarts >= 0, ">= 0")
         _seconds("supervisor.restart_backoff_s", self.restart_backoff_s, zero=True)
+        _seconds("supervisor.restart_window_s", self.restart_window_s)
         _seconds("supervisor.stop_timeout_s", self.stop_timeout_s)
         _seconds("supervisor.save_timeout_s", self.save_timeout_s, zero=True)
 

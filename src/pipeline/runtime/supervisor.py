@@ -32,6 +32,7 @@ from pipeline.errors import EXIT_CONFIG
 from pipeline.log import get_logger
 from pipeline.runtime import layout
 from pipeline.runtime.bytecode import bytecode_cache
+from pipeline.runtime.restart_budget import RestartBudget
 
 # the longest a controller may take to prepare a run (a tiny model's warm start included)
 PREPARE_TIMEOUT_S = 900.0
@@ -43,6 +44,7 @@ class Child:
     replica: int
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    budget: RestartBudget | None = None
     log_file: IO[bytes] | None = None
     exits: list[int] = field(default_factory=list)
 
@@ -186,8 +188,17 @@ class Supervisor:
         if code == EXIT_CONFIG:  # refused its config: a restart would refuse it again
             self.log.error("service_failed", service=child.name, code=code, reason="config")
             return False
-        if child.restarts >= self.config.supervisor.max_restarts:
-            self.log.error("service_failed", service=child.name, code=code, restarts=child.restarts)
+        if child.budget is None:
+            cfg = self.config.supervisor
+            child.budget = RestartBudget(cfg.max_restarts, cfg.restart_window_s)
+        if not child.budget.take(time.monotonic()):
+            self.log.error(
+                "service_failed",
+                service=child.name,
+                code=code,
+                restarts=child.restarts,
+                within_s=self.config.supervisor.restart_window_s,
+            )
             return False
         child.restarts += 1
         self.log.warning(

@@ -1,0 +1,31 @@
+"""How many times one service may be restarted: at most `limit` restarts within any
+`window_s` seconds, so that a few crashes spread over a long run do not end it while a
+crash loop still does."""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class RestartBudget:
+    def __init__(self, limit: int, window_s: float) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+        self.total = 0  # restarts over the whole run
+
+    def take(self, now: float) -> bool:
+        """Whether a restart at `now` (monotonic seconds) is within the budget; if so it
+        counts."""
+        while self._times and now - self._times[0] >= self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        self.total += 1
+        return True
+
+    @property
+    def recent(self) -> int:
+        """Restarts inside the current window."""
+        return len(self._times)

@@ -4,10 +4,13 @@ Layout of `<root>/step_<n>/`:
   dcp/         model + optimizer state (sharded DTensors under FSDP; DCP reshards on load)
   meta.json    step, world size, LR scheduler, trainer counters, the caller's `extra`
   rng/rank_<r>.json   python / numpy / torch (/ cuda) RNG states of each rank
-and `<root>/latest` names the newest complete step directory. It is replaced atomically
-(write + rename) only after every rank finished writing, so a crash mid-save leaves the
-previous checkpoint as `latest`. Everything besides DCP's own files is JSON: resuming never
-unpickles anything this module wrote.
+and `<root>/latest` names the newest complete step directory. A save writes a new
+directory (`.step_<n>.partial`) and renames it into place only after every rank finished
+writing, then replaces `latest` atomically (write + rename): a crash mid-save leaves the
+previous checkpoint whole, even when the same step is saved again. A resume takes the
+newest checkpoint that loads: one that is damaged is logged and the one before it tried.
+Everything besides DCP's own files is JSON; DCP's `.metadata` is a pickle (docs/
+architecture.md, security).
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim.lr_scheduler import LRScheduler
 
 from pipeline.log import get_logger
 from pipeline.training.distributed import barrier, current_dist_info, is_distributed
-from pipeline.training.errors import CheckpointStateError
+from pipeline.training.errors import CheckpointError, CheckpointStateError
 
 log = get_logger("training.checkpoint")
 
@@ -57,15 +61,30 @@ def step_dir(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"step_{step}"
 
 
+def saved_steps(root: str | os.PathLike[str]) -> list[int]:
+    """Steps of the step directories under `root` that hold a meta.json, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = (_STEP_RE.match(p.name) for p in root.iterdir() if (p / META).is_file())
+    return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+
 def latest_step(root: str | os.PathLike[str]) -> int | None:
-    """Step of the newest complete checkpoint under `root`, or None."""
+    """Step of the newest complete checkpoint under `root`, or None. A `latest` that names
+    no step directory (damaged) gives the newest step directory there, with a warning."""
     pointer = Path(root) / LATEST
     if not pointer.is_file():
         return None
-    match = _STEP_RE.match(pointer.read_text().strip())
-    if match is None:
-        raise CheckpointStateError(f"{pointer} does not name a step_<n> directory")
-    return int(match.group(1))
+    try:
+        match = _STEP_RE.match(pointer.read_text().strip())
+    except (OSError, UnicodeDecodeError):
+        match = None
+    if match is not None:
+        return int(match.group(1))
+    steps = saved_steps(root)
+    log.warning("checkpoint_pointer_unreadable", path=str(pointer), newest=steps[:1])
+    return steps[0] if steps else None
 
 
 @contextlib.contextmanager
@@ -159,27 +178,41 @@ def save_checkpoint(
         "extra": extra or {},
     }
     meta_text = _json(meta, "checkpoint extra/trainer state")
+    partial = path.with_name(f".{path.name}.partial")
     if info.is_main:
-        (path / "rng").mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # a save that died before
+        (partial / "rng").mkdir(parents=True, exist_ok=True)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _single_process_quiet():
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
-            checkpoint_id=str(path / "dcp"),
+            checkpoint_id=str(partial / "dcp"),
             no_dist=not is_distributed(),
         )
-    _write_atomic(path / "rng" / f"rank_{info.rank}.json", _json(rng_state(), "rng"))
+    _write_atomic(partial / "rng" / f"rank_{info.rank}.json", _json(rng_state(), "rng"))
     if info.is_main:
-        _write_atomic(path / META, meta_text)
+        _write_atomic(partial / META, meta_text)
     barrier()
     if info.is_main:
+        _replace_dir(partial, path)
         _write_atomic(Path(root) / LATEST, f"{path.name}\n")
         if keep_last is not None:
             _prune(Path(root), keep=max(1, keep_last), current=step)
         log.info("checkpoint saved", path=str(path), step=step)
     barrier()
     return path
+
+
+def _replace_dir(new: Path, path: Path) -> None:
+    """`new` renamed to `path`; an existing `path` (the same step saved again) is moved
+    aside first and removed after, so one whole copy exists at every instant."""
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(new, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _prune(root: Path, keep: int, current: int) -> None:
@@ -200,19 +233,43 @@ def load_checkpoint(
     step: int | None = None,
     restore_rng: bool = True,
 ) -> LoadedCheckpoint:
-    """Restore model, optimizer, scheduler and RNG in place from `latest` (or `step`).
+    """Restore model, optimizer, scheduler and RNG in place from `latest` (or `step`); where
+    that one does not load (damaged, incomplete), from the newest older one that does,
+    each failure logged (`checkpoint_unreadable`). CheckpointError when none loads.
 
     The world size may differ from the saving run's (DCP reshards); RNG states are then
     restored only for ranks that existed, with a warning.
     """
-    info = current_dist_info("cpu")
     if step is None:
         step = latest_step(root)
         if step is None:
             raise CheckpointStateError(
                 f"no checkpoint under {root}: {Path(root) / LATEST} is missing"
             )
-    path = step_dir(root, step)
+    candidates = [step, *(s for s in saved_steps(root) if s < step)]
+    tried: list[tuple[str, str]] = []
+    for candidate in candidates:
+        path = step_dir(root, candidate)
+        try:
+            return _load_one(path, model, optimizer, scheduler, restore_rng)
+        # DCP raises CheckpointException, a BaseException, for a damaged file; a damaged
+        # file may raise anything else while it is read
+        except (CheckpointException, Exception) as exc:
+            lines = str(exc).strip().splitlines()
+            reason = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+            tried.append((str(path), reason))
+            log.warning("checkpoint_unreadable", path=str(path), reason=reason)
+    raise CheckpointError(str(root), tried)
+
+
+def _load_one(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler | None,
+    restore_rng: bool,
+) -> LoadedCheckpoint:
+    info = current_dist_info("cpu")
     meta_file = path / META
     if not meta_file.is_file():
         raise CheckpointStateError(f"{meta_file} is missing; the checkpoint is incomplete")

@@ -15,3 +15,13 @@ class BatchError(TrainingError):
 
 class CheckpointStateError(TrainingError):
     """A training checkpoint is missing, incomplete, or was written by an incompatible run."""
+
+
+class CheckpointError(CheckpointStateError):
+    """No checkpoint under a root could be loaded: each one tried, with its reason."""
+
+    def __init__(self, root: str, tried: list[tuple[str, str]]) -> None:
+        lines = "; ".join(f"{path}: {reason}" for path, reason in tried)
+        super().__init__(f"no checkpoint under {root} loads ({lines})")
+        self.root = root
+        self.tried = tried

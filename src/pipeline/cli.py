@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("run", help="run directory that holds queues/<queue>.log")
     rep.add_argument("--service", required=True, choices=ROLES[1:])
     rep.add_argument("--out", default=None, help="where replay outputs go (default RUN/replay)")
+    rep.add_argument(
+        "--allow-truncated",
+        action="store_true",
+        help="replay the records before a truncated tail (else the replay refuses the file)",
+    )
 
     rpt = sub.add_parser("report", help="plots and a Perfetto trace of a run")
     rpt.add_argument("run")

@@ -4,7 +4,9 @@ Layout: magic `PLQREC1\\n`, u32 header length, msgpack `RecordingHeader`; then r
 each `u64 total | u32 n_frames | f64 wall time | u64 len * n_frames | frame bytes`.
 Every record is written with one `write` on an O_APPEND descriptor, so several consumer
 replicas can append to the same queue file without interleaving. A truncated tail (a
-process killed mid-write) is reported and skipped, never misread.
+process killed mid-write, or a length that runs past the end) stops the reading and is
+reported (`QueueReader.truncated_at`), never misread; a damaged header or a record whose
+frame lengths disagree with its total raises RecordingError with the offset.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Record:
     index: int
     wall_time: float
     frames: list[bytes]
+    offset: int = 0  # of the record in its file
 
     def decode(self) -> codec.Message:
         return codec.decode(self.frames)
@@ -90,12 +93,23 @@ class Record:
 class QueueReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.truncated = False
+        self.truncated_at: int | None = None  # offset of an incomplete last record
+        self.size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             if f.read(len(MAGIC)) != MAGIC:
                 raise RecordingError(f"{self.path} is not a recorded queue (bad magic)")
-            (n,) = struct.unpack("<I", f.read(4))
-            self.header = msgspec.msgpack.decode(f.read(n), type=RecordingHeader)
+            raw = f.read(4)
+            if len(raw) < 4:
+                raise RecordingError(f"{self.path}: the header is truncated (offset {len(MAGIC)})")
+            (n,) = struct.unpack("<I", raw)
+            if len(MAGIC) + 4 + n > self.size:
+                raise RecordingError(
+                    f"{self.path}: the header's length {n} runs past the end of the file"
+                )
+            try:
+                self.header = msgspec.msgpack.decode(f.read(n), type=RecordingHeader)
+            except msgspec.DecodeError as exc:
+                raise RecordingError(f"{self.path}: the header is damaged ({exc})") from exc
             self._start = f.tell()
         if self.header.schema_version != SCHEMA_VERSION:
             raise RecordingError(
@@ -103,29 +117,44 @@ class QueueReader:
                 f"this build reads {SCHEMA_VERSION}"
             )
 
+    @property
+    def truncated(self) -> bool:
+        return self.truncated_at is not None
+
     def __iter__(self) -> Iterator[Record]:
         with open(self.path, "rb") as f:
             f.seek(self._start)
             index = 0
             while True:
+                offset = f.tell()
                 head = f.read(_REC.size)
                 if not head:
                     return
+                left = self.size - offset - len(head)
                 if len(head) < _REC.size:
-                    self.truncated = True
+                    self.truncated_at = offset
                     return
                 total, n_frames, wall = _REC.unpack(head)
-                lens_raw = f.read(_LEN.size * n_frames)
-                body = f.read(total)
-                if len(lens_raw) < _LEN.size * n_frames or len(body) < total:
-                    self.truncated = True
+                # lengths are checked against what the file holds before anything is read:
+                # a damaged one would otherwise allocate its size
+                if _LEN.size * n_frames + total > left:
+                    self.truncated_at = offset
                     return
+                if n_frames == 0:
+                    raise RecordingError(f"{self.path}: record {index} (offset {offset}) is empty")
+                lens_raw = f.read(_LEN.size * n_frames)
                 lengths = [_LEN.unpack_from(lens_raw, i * _LEN.size)[0] for i in range(n_frames)]
+                if sum(lengths) != total:
+                    raise RecordingError(
+                        f"{self.path}: record {index} (offset {offset}): its frames' lengths "
+                        f"sum to {sum(lengths)}, its total says {total}"
+                    )
+                body = f.read(total)
                 frames, pos = [], 0
                 for n in lengths:
                     frames.append(body[pos : pos + n])
                     pos += n
-                yield Record(index=index, wall_time=wall, frames=frames)
+                yield Record(index=index, wall_time=wall, frames=frames, offset=offset)
                 index += 1
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -157,3 +159,36 @@ def test_replayed_queue_reproduces_the_recorded_outputs(standin_run, tmp_path):
     assert set(replayed) == set(_by_uid(standin_run / "queues/rollouts.log"))
     assert set(original) <= set(replayed)
     assert all(_same(original[uid], replayed[uid]) for uid in original)
+
+
+def test_a_truncated_or_damaged_recording_is_refused_by_replay_with_the_offset(
+    standin_run, tmp_path
+):
+    """Half a queue log: `pipeline replay` says where it ends and exits 1, or replays the
+    records before it with --allow-truncated and warns; a record that does not decode is
+    an error with its offset, not a traceback (issue 33, defect 5: before, 321 of 640
+    records replayed with exit code 0 and no word)."""
+    run = tmp_path / "run"
+    shutil.copytree(standin_run, run, ignore=shutil.ignore_patterns("replay"))
+    log = run / "queues/rollouts.log"
+    whole = log.read_bytes()
+    offsets = [r.offset for r in QueueReader(log)]
+    log.write_bytes(whole[: offsets[len(offsets) // 2] + 11])
+    cmd = [*PIPELINE, "replay", str(run), "--service", "reward", "--out", str(tmp_path / "o")]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    assert f"truncated at offset {offsets[len(offsets) // 2]}" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    allowed = subprocess.run([*cmd, "--allow-truncated"], capture_output=True, text=True)
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert "warning: the recording is truncated" in allowed.stderr
+    assert json.loads(allowed.stdout)["inputs"] == len(offsets) // 2
+    # a record whose body is garbage: frames intact, the message does not decode
+    damaged = bytearray(whole)
+    (n_frames,) = struct.unpack_from("<I", whole, offsets[1] + 8)
+    first = offsets[1] + 20 + 8 * n_frames  # record 1's header frame
+    damaged[first : first + 8] = b"\xc1" * 8
+    log.write_bytes(bytes(damaged))
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert "pipeline replay: error:" in bad.stderr

@@ -57,7 +57,11 @@ def record_rows(path: Path, steps: dict[str, int] | None = None) -> Iterator[dic
             row["prompt"] = getattr(body, "prompt_text", "")
         yield row
     if reader.truncated:
-        yield {"queue": reader.header.queue, "index": -1, "error": "truncated tail (ignored)"}
+        yield {
+            "queue": reader.header.queue,
+            "index": -1,
+            "error": f"truncated at offset {reader.truncated_at} of {reader.size} (ignored)",
+        }
 
 
 def _matches(row: dict[str, Any], args: argparse.Namespace) -> bool:

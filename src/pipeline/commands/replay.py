@@ -11,11 +11,13 @@ import argparse
 import dataclasses
 import importlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from pipeline import codec
 from pipeline.config import config_from_json
+from pipeline.errors import RecordingError, SchemaMismatch
 from pipeline.log import configure_logging
 from pipeline.recording import QueueReader, QueueRecorder, queue_path
 from pipeline.runtime import layout
@@ -27,7 +29,9 @@ def load_service_class(config: Any, role: str) -> Any:
     return importlib.import_module(config.service_module(role)).SERVICE
 
 
-async def replay(run_dir: Path, role: str, out_dir: Path) -> dict[str, Any]:
+async def replay(
+    run_dir: Path, role: str, out_dir: Path, *, allow_truncated: bool = False
+) -> dict[str, Any]:
     config = config_from_json((run_dir / "config.json").read_text())
     if not config.model.path:
         # the run made its model in its own directory: load that one, not a new one
@@ -42,7 +46,20 @@ async def replay(run_dir: Path, role: str, out_dir: Path) -> dict[str, Any]:
     out_queue = layout.output_queue(config, role)
     assert in_queue is not None
     reader = QueueReader(queue_path(run_dir, in_queue))
-    messages = [codec.decode(r.frames) for r in reader]
+    messages = []
+    for record in reader:
+        try:
+            messages.append(record.decode())
+        except SchemaMismatch as exc:
+            raise RecordingError(
+                f"{reader.path}: record {record.index} (offset {record.offset}) does not "
+                f"decode: {exc}"
+            ) from exc
+    if reader.truncated and not allow_truncated:
+        raise RecordingError(
+            f"{reader.path} is truncated at offset {reader.truncated_at} of {reader.size} "
+            f"bytes, after {len(messages)} records; replay those with --allow-truncated"
+        )
     ctx = ServiceContext(config=config, role=role, replica=0, run_id=run_id, run_dir=out_dir)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     service = load_service_class(config, role)(ctx)
@@ -67,7 +84,10 @@ async def replay(run_dir: Path, role: str, out_dir: Path) -> dict[str, Any]:
         service.metrics.close()
         if recorder is not None:
             recorder.close()
-    return {"service": role, "inputs": len(messages), "outputs": produced, "out": str(out_dir)}
+    result = {"service": role, "inputs": len(messages), "outputs": produced, "out": str(out_dir)}
+    if reader.truncated:
+        result["truncated_at"] = reader.truncated_at
+    return result
 
 
 def replay_command(args: argparse.Namespace) -> int:
@@ -76,6 +96,16 @@ def replay_command(args: argparse.Namespace) -> int:
     configure_logging()
     run_dir = Path(args.run)
     out = Path(args.out) if args.out else run_dir / "replay" / args.service
-    result = run_async(replay(run_dir, args.service, out))
+    try:
+        result = run_async(replay(run_dir, args.service, out, allow_truncated=args.allow_truncated))
+    except RecordingError as exc:
+        print(f"pipeline replay: error: {exc}", file=sys.stderr)
+        return 1
+    if "truncated_at" in result:
+        print(
+            f"pipeline replay: warning: the recording is truncated at offset "
+            f"{result['truncated_at']}; {result['inputs']} records replayed",
+            file=sys.stderr,
+        )
     print(json.dumps(result, indent=2))
     return 0

@@ -69,6 +69,8 @@ class Controller:
         self.started = time.time()
         self.last_progress = self.started
         self.stepped = False  # a step finished since this controller started
+        self.reward_failed_steps = 0  # steps in a row whose every reward failed
+        self.failure = ""  # why the run ends before its last step
 
     @property
     def run_id(self) -> str:
@@ -313,6 +315,7 @@ class Controller:
         for row in schedule_rows(entry):
             self.schedule.write(row)
         self.steps_log.write(line)
+        self._note_rewards(line)
         self.last_progress = now
         self.stepped = True
         self.log.info("step_done", step=done.step, trained=line["trained"], dropped=line["dropped"])
@@ -322,6 +325,22 @@ class Controller:
         await control.broadcast(
             Heartbeat(service="controller", policy_version=self.learner_version)
         )
+
+    def _note_rewards(self, line: dict[str, Any]) -> None:
+        """Count the steps in a row whose every reward failed; at the limit, say why the
+        run ends (`self.failure`)."""
+        trained, errors = line["trained"], line.get("reward_errors", 0.0)
+        self.reward_failed_steps = (
+            self.reward_failed_steps + 1 if trained and errors >= trained else 0
+        )
+        limit = self.config.controller.reward_failure_steps
+        if limit and self.reward_failed_steps >= limit:
+            self.failure = (
+                f"every reward failed in the last {self.reward_failed_steps} steps (the "
+                "verifier raised or timed out: read the reward services' logs); "
+                "controller.reward_failure_steps sets how many end the run"
+            )
+            self.log.error("rewards_failing", steps=self.reward_failed_steps, error=self.failure)
 
     def stall_limit(self) -> float:
         """Seconds without a finished step before the run counts as stalled: the first
@@ -357,6 +376,8 @@ class Controller:
             peer, body = item
             if isinstance(body, StepDone):
                 await self.on_step_done(body, control)
+                if self.failure:
+                    return
                 if self.step >= self.config.controller.steps:
                     finished.set()
             elif isinstance(body, Dropped):
@@ -425,6 +446,7 @@ class Controller:
             "run_id": self.run_id,
             "steps": self.step,
             "completed": finished.is_set(),
+            **({"failure": self.failure} if self.failure else {}),
             "seconds": round(time.time() - self.started, 3),
             "incarnations": self.state.incarnations,
             **self.accounting.summary(),

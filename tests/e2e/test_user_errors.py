@@ -152,3 +152,23 @@ def test_data_convert_gsm8k(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "row 0" in bad.stderr
+
+
+def test_a_run_whose_every_reward_fails_ends_with_an_error(tmp_path):
+    """Every verifier call raises: after controller.reward_failure_steps such steps in a
+    row the run ends, exit code 1, the reason on stderr (issue 33, defect 9: exit 0)."""
+    proc = _run(
+        tmp_path,
+        "norewards",
+        "--reward.function",
+        "tests.standin.failing_reward:reward_fn",
+        "--controller.steps",
+        "8",
+        "--controller.reward_failure_steps",
+        "2",
+    )
+    said = _said(proc)
+    assert proc.returncode == 1, said
+    assert "every reward failed in the last 2 steps" in said, said
+    summary = json.loads((tmp_path / "runs/norewards/summary.json").read_text())
+    assert not summary["completed"] and summary["steps"] == 2 and "verifier" in summary["failure"]

@@ -170,6 +170,9 @@ class ControllerConfig:
     # the same for the first step a controller sees finish, which waits for every service's
     # compiles and CUDA-graph captures on its first batch; 0: step_timeout_s
     first_step_timeout_s: float = 0.0
+    # steps in a row in which every sample's reward failed (the verifier raised or timed
+    # out) before the run ends with an error; 0: never
+    reward_failure_steps: int = 5
 
     def validate(self) -> None:
         if self.steps < 1 or self.prompts_per_step < 1:
@@ -188,6 +191,8 @@ class ControllerConfig:
             ">= 1 (prompts released and not yet trained)",
         )
         _seconds("controller.step_timeout_s", self.step_timeout_s)
+        ok = self.reward_failure_steps >= 0
+        _require("controller.reward_failure_steps", self.reward_failure_steps, ok, ">= 0")
         _seconds("controller.first_step_timeout_s", self.first_step_timeout_s, zero=True)
 
 

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipeline.config import load_config
+from pipeline.runtime import layout
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,3 +29,8 @@ def test_a_last_save_longer_than_the_stop_timeout_completes(tmp_path: Path):
     assert exits.get("learner-0") == 0, events  # exited on its own, not killed
     log = (tmp_path / "slow/logs/learner-0.log").read_text()
     assert '"saved"' in log and "service_killed" not in proc.stderr
+    # the run's ipc socket directory is removed at its end (issue 33, defect 10)
+    config = load_config(
+        "profiles/local-cpu.toml", {"run.runs_dir": str(tmp_path), "run.name": "slow"}
+    )
+    assert not layout.socket_dir(config).exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,6 +268,8 @@ class Supervisor:
                 code = 130
         finally:
             self.stop_all()
+            if self.config.run.transport == "ipc":  # the run's sockets, now unused
+                shutil.rmtree(layout.socket_dir(self.config), ignore_errors=True)
             if progress is not None:
                 progress.update()
                 progress.close()

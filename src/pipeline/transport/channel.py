@@ -114,7 +114,8 @@ def bind(sock: Any, endpoint: str) -> str:
     """Bind; `tcp://host:0` picks a free port. Returns the endpoint actually bound."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :]
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        # only this user may reach the run's sockets (other local users cannot connect)
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         if os.path.exists(path):
             os.unlink(path)  # a stale socket file from a dead incarnation
     secure_bind(sock, endpoint, loopback=is_loopback(endpoint))

@@ -51,8 +51,10 @@ def meta_round(hub: WeightHub, members: list[str], meta: WeightMeta, timeout_s: 
         return False
 
     answered = hub.collect([n for n in members if attempt[n]], timeout_s, on_reply)
-    silent = [n for n in members if n not in answered]
-    proceed = not (silent or rejected or restarted)
+    # not reached: the send itself failed (the engine's connection is gone)
+    unreached = [n for n in members if not attempt[n]]
+    silent = [n for n in members if n not in answered and attempt[n]]
+    proceed = not (silent or unreached or rejected or restarted)
     for name in members:
         if name not in restarted:
             go = SyncGo(version=meta.version, attempt=attempt[name], proceed=proceed)
@@ -61,12 +63,16 @@ def meta_round(hub: WeightHub, members: list[str], meta: WeightMeta, timeout_s: 
         return ""
     for name in silent:
         hub.drop(name, f"no answer to WeightMeta v{meta.version} within {timeout_s:.1f}s")
+    for name in unreached:
+        hub.drop(name, f"WeightMeta v{meta.version} could not be sent: not connected")
     for name, error in rejected.items():
         hub.drop(name, error, rejoin=False)  # it would refuse every update: keep it out
     details = [f"{n}: {e}" for n, e in rejected.items()]
+    details += [f"{n}: not connected (the send failed at once)" for n in unreached]
     details += [f"{n}: no answer within {timeout_s:.1f}s" for n in silent]
     details += [f"{n}: restarted" for n in restarted]
-    return failure_text("meta", ", ".join([*rejected, *silent, *restarted]), "; ".join(details))
+    peers = [*rejected, *unreached, *silent, *restarted]
+    return failure_text("meta", ", ".join(peers), "; ".join(details))
 
 
 def done_round(

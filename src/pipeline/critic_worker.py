@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.checkpoint_clock import CheckpointClock
 from pipeline.config import PipelineConfig
 from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp
@@ -72,6 +73,12 @@ class CriticWorker:
         self.reference: Any = None
         self.kl_ctrl: Any = None
         self.recompiles = Recompiles()
+        critic = self.config.critic
+        # every rank decides alike: by seconds only in one process (ranks' clocks differ)
+        placement = self.config.services.get("critic")
+        sharded = placement is not None and placement.fsdp_size > 1
+        every_s = 0.0 if sharded else critic.checkpoint_every_s
+        self.clock = CheckpointClock(critic.checkpoint_every, every_s)
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""
@@ -162,8 +169,7 @@ class CriticWorker:
                 kl_coef=self.kl_ctrl.value,
                 **{k: round(float(v), 5) for k, v in metrics.items()},
             )
-        every = self.config.critic.checkpoint_every
-        if every and self.steps % every == 0:
+        if self.clock.due(self.steps):
             self._save()
 
     def _save(self) -> None:
@@ -175,9 +181,9 @@ class CriticWorker:
         self.trainer.save_checkpoint(
             self.checkpoints, extra=extra, keep_last=self.config.critic.keep_checkpoints
         )
+        self.clock.saved(self.steps)
 
     def save_last(self) -> None:
         """At the end: a checkpoint of the last value update, unless it already has one."""
-        every = self.config.critic.checkpoint_every
-        if self.steps > 0 and not (every and self.steps % every == 0):
+        if self.steps > 0 and self.clock.saved_count != self.steps:
             self._save()

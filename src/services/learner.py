@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from pipeline import codec
+from pipeline.checkpoint_clock import CheckpointClock
 from pipeline.learner_worker import LearnerWorker, TrainedStep, early_parts
 from pipeline.messages import RankCommand, RankOp, StepDone
 from pipeline.runtime.ranks import TrainerThread, encode_groups
@@ -71,6 +72,11 @@ class LearnerService(Service):
         self.reports: StepReports | None = None
         self._watch: asyncio.Task[None] | None = None
         self.recompiles = Recompiles()
+        # rank 0 decides when to save and tells the other ranks (RankOp.CHECKPOINT)
+        learner = self.config.learner
+        self.checkpoint_clock = CheckpointClock(
+            learner.checkpoint_every, learner.checkpoint_every_s
+        )
         # what the weights include last: from the checkpoint resumed, then each step trained
         self.last_step: TrainedStep | None = None
         # queue uids of the groups the resumed checkpoint's weights already include
@@ -282,9 +288,10 @@ class LearnerService(Service):
         """Note the step just trained; every `checkpoint_every` steps save with it. Called
         before the step is reported or its groups acknowledged."""
         self.last_step = trained
-        every = self.config.learner.checkpoint_every
-        if every and trained.done.step % every == every - 1:
+        count = trained.done.step + 1  # updates the weights hold
+        if self.checkpoint_clock.due(count):
             await self._save(RankOp.CHECKPOINT, self.worker.save)  # type: ignore[union-attr]
+            self.checkpoint_clock.saved(count)
 
     async def _save(self, op: RankOp, save: Any) -> None:
         extra = {} if self.last_step is None else {"trained_step": self.last_step.to_json()}

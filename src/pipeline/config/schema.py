@@ -291,6 +291,8 @@ class LearnerConfig:
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(lr=1e-5))
     # save a checkpoint every this many steps (0: only at the end of the run)
     checkpoint_every: int = 0
+    # and every this many seconds since the last save (0: off): what a crash may lose
+    checkpoint_every_s: float = 300.0
     # checkpoints kept on disk (the newest; older ones are deleted)
     keep_checkpoints: int = 2
     weights: WeightSyncSection = field(default_factory=WeightSyncSection)
@@ -304,6 +306,8 @@ class CriticConfig:
     # save the value model, optimizer, schedule and KL controller every this many value
     # updates (0: only at the end of the run); a restarted critic resumes from the latest
     checkpoint_every: int = 0
+    # and every this many seconds since the last save (0: off): what a crash may lose
+    checkpoint_every_s: float = 300.0
     # checkpoints kept on disk (the newest; older ones are deleted)
     keep_checkpoints: int = 2
 
@@ -494,6 +498,11 @@ class PipelineConfig:
                 "learner and engines share a GPU here (CUDA IPC): set it to false"
             )
         for section in ("learner", "critic"):
+            _seconds(
+                f"{section}.checkpoint_every_s",
+                getattr(self, section).checkpoint_every_s,
+                zero=True,
+            )
             for key in ("checkpoint_every", "keep_checkpoints"):
                 value = getattr(getattr(self, section), key)
                 low = 0 if key == "checkpoint_every" else 1

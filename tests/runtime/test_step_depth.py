@@ -55,7 +55,7 @@ async def test_a_train_step_reaches_the_policy_loss_within_seven_frames(tmp_path
     try:
         await service.thread.run(sys.setprofile, profile)  # the trainer's thread exists
         # the service loop's part of a step, as LearnerService.run does it
-        pending = await service._submit(_groups(), 0)
+        pending = await service._submit(_groups(), 0, 0)
         metrics = await service._metrics(_groups(), pending)
     finally:
         threading.setprofile(None)

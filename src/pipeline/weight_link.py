@@ -140,8 +140,10 @@ class LearnerWeights:
                 )
             except WeightSyncError as exc:
                 log.error("weight_sync_failed", version=version, error=str(exc))
-                return {"sync_failed": 1.0}
+                return {"sync_failed": 1.0, "weights/rejected": float(self.hub.link.rejected)}
         return {
+            # messages the weight hub refused so far
+            "weights/rejected": float(self.hub.link.rejected),
             "sync_seconds": float(report.seconds),
             "sync_gbps": float(report.gbps),
             "sync_bytes": float(report.bytes),

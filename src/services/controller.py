@@ -301,6 +301,8 @@ class Controller:
             "dropped": len(done.dropped_uids),
             "elapsed_s": round(now - self.started, 3),
             **done.metrics,
+            # messages the control socket refused so far, by reason
+            **{f"controller/rejected.{k}": float(v) for k, v in control.stats.rejected.items()},
         }
         entry = {
             "kind": "step",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import math
 import os
 import secrets
 import socket
+import time
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -58,6 +60,30 @@ class ChannelStats:
     duplicates: int = 0
     dead_peers: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    # rejections of each reason not logged yet, and when one was last
+    _unlogged: Counter[str] = field(default_factory=Counter, repr=False)
+    _logged_at: dict[str, float] = field(default_factory=dict, repr=False)
+
+    def reject(
+        self, log: Any, reason: str, detail: str, *, burst: int = 5, every_s: float = 10.0
+    ) -> None:
+        """Count a refused message. Log the first `burst` of each reason, then at most one
+        line per `every_s` that says how many it did not log: a flood of bad messages
+        is counted in full (`rejected.<reason>` in the metrics) without flooding the log."""
+        self.rejected[reason] += 1
+        now = time.monotonic()
+        quiet = now - self._logged_at.get(reason, -math.inf) < every_s
+        if self.rejected[reason] > burst and quiet:
+            self._unlogged[reason] += 1
+            return
+        self._logged_at[reason] = now
+        log.error(
+            "message_rejected",
+            reason=reason,
+            detail=detail[:240],
+            count=self.rejected[reason],
+            not_logged=self._unlogged.pop(reason, 0),
+        )
 
     def as_dict(self) -> dict[str, float]:
         out: dict[str, float] = {

@@ -145,8 +145,7 @@ class ControlServer:
         try:
             msg = codec.decode(frames[1:], allowed=_TO_CONTROLLER, run_id=None)
         except SchemaMismatch as exc:
-            self.stats.rejected[exc.reason] += 1
-            self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+            self.stats.reject(self.log, exc.reason, exc.detail)
             return
         body = msg.body
         if isinstance(body, Hello):
@@ -268,7 +267,7 @@ class ControlClient:
             try:
                 msg = codec.decode(frames, allowed=_TO_SERVICE)
             except SchemaMismatch as exc:
-                self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+                self.stats.reject(self.log, exc.reason, exc.detail)
                 continue
             if isinstance(msg.body, ConfigMsg):
                 self.run_id = msg.body.run_id
@@ -304,7 +303,7 @@ class ControlClient:
         try:
             msg = codec.decode(frames, allowed=_TO_SERVICE, run_id=self.run_id)
         except SchemaMismatch as exc:
-            self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+            self.stats.reject(self.log, exc.reason, exc.detail)
             return
         self._last_seen = time.monotonic()
         if self.controller_dead.is_set():

@@ -213,8 +213,7 @@ class QueueClient:
                 run_id=self.run_id,
             )
         except SchemaMismatch as exc:
-            self.stats.rejected[exc.reason] += 1
-            self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+            self.stats.reject(self.log, exc.reason, exc.detail)
             return
         if msg.header.sender != producer.incarnation:
             if producer.incarnation:

@@ -173,8 +173,7 @@ class QueueServer:
                 run_id=self.run_id,
             )
         except SchemaMismatch as exc:
-            self.stats.rejected[exc.reason] += 1
-            self.log.error("message_rejected", reason=exc.reason, detail=exc.detail)
+            self.stats.reject(self.log, exc.reason, exc.detail)
             return
         consumer = self._consumers.get(identity)
         if consumer is None:

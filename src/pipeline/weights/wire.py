@@ -18,8 +18,9 @@ import zmq
 
 from pipeline import codec
 from pipeline.errors import SchemaMismatch
+from pipeline.log import get_logger
 from pipeline.messages import ConfigMsg, MsgType
-from pipeline.transport.channel import make_socket
+from pipeline.transport.channel import ChannelStats, make_socket
 
 CONTROL_TAG = "weights-control"
 # an engine's Shutdown tells the learner it is leaving (no weights for it any more)
@@ -163,7 +164,8 @@ class Link:
         self.run_id = run_id
         self.seq = 0
         self.allowed = TO_LEARNER if kind == zmq.ROUTER else TO_ENGINE
-        self.rejected = 0
+        self.stats = ChannelStats()  # refused messages, counted and logged (rate-limited)
+        self.log = get_logger("weights.link", sender=sender)
 
     def send(self, body: Any, identity: bytes = b"") -> int:
         """Send a project message or a control struct; its header seq, or 0 when the peer
@@ -192,9 +194,14 @@ class Link:
         try:
             msg = codec.decode(frames, allowed=self.allowed, run_id=self.run_id or None)
             return Received(identity, msg, unwrap(msg.body))
-        except SchemaMismatch:
-            self.rejected += 1
+        except SchemaMismatch as exc:
+            self.stats.reject(self.log, exc.reason, exc.detail)
             return None
+
+    @property
+    def rejected(self) -> int:
+        """Messages refused so far."""
+        return sum(self.stats.rejected.values())
 
     def close(self) -> None:
         self.sock.close(linger=0)

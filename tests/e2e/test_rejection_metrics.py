@@ -1,0 +1,49 @@
+"""Messages the controller refuses reach every step's metrics (`controller/rejected.<reason>`,
+TensorBoard with the rest) while the log holds a few lines of them (issue 33, defect 7:
+the counters never left the process and every bad message was a log line)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from pipeline.config import load_config
+from pipeline.runtime import layout
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_junk_sent_to_the_control_socket_is_counted_in_the_step_metrics(tmp_path: Path):
+    overrides = {"run.runs_dir": str(tmp_path), "run.name": "junk"}
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "--no-progress", "--name", "junk"]
+    cmd += ["--run.runs_dir", str(tmp_path), "--controller.steps", "6"]
+    cmd += ["--task.warm_start_steps", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    endpoint = layout.controller_endpoint(load_config("profiles/local-cpu.toml", overrides))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "junk/run.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.1)
+        sock.connect(endpoint)
+        for _ in range(40):
+            sock.send_multipart([b"\xc1\xc1", b"junk"])
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    finally:
+        sock.close()
+        if proc.poll() is None:
+            proc.kill()
+    steps = [
+        json.loads(x) for x in (tmp_path / "junk/metrics/steps.jsonl").read_text().split("\n") if x
+    ]
+    assert steps[-1]["controller/rejected.malformed"] == 40
+    log = (tmp_path / "junk/logs/controller-0.log").read_text()
+    assert log.count('"message_rejected"') <= 6

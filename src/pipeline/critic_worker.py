@@ -75,9 +75,7 @@ class CriticWorker:
         self.recompiles = Recompiles()
         critic = self.config.critic
         # every rank decides alike: by seconds only in one process (ranks' clocks differ)
-        placement = self.config.services.get("critic")
-        sharded = placement is not None and placement.fsdp_size > 1
-        every_s = 0.0 if sharded else critic.checkpoint_every_s
+        every_s = critic.checkpoint_every_s if getattr(ctx, "ranks", None) is None else 0.0
         self.clock = CheckpointClock(critic.checkpoint_every, every_s)
 
     def execute(self, command: RankCommand) -> None:

@@ -58,12 +58,9 @@ def staleness(group: GroupArrays, version: int) -> int:
 
 
 def on_policy(groups: list[GroupArrays], version: int) -> bool:
-    """Whether the weights of `version` sampled every token of the groups."""
-    return all(
-        len(s.token_versions) == 0 or bool((s.token_versions == version).all())
-        for g in groups
-        for s in g.samples
-    )
+    """Whether the weights of `version` sampled every token of the groups (no token is
+    newer than the learner's weights, so staleness 0 is that)."""
+    return all(staleness(g, version) == 0 for g in groups)
 
 
 def read_group(message: codec.Message) -> GroupArrays:

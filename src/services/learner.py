@@ -285,8 +285,9 @@ class LearnerService(Service):
         return {**group_stats(groups), **{k: float(v) for k, v in metrics.items()}, **compiled}
 
     async def _checkpoint(self, trained: TrainedStep) -> None:
-        """Note the step just trained; every `checkpoint_every` steps save with it. Called
-        before the step is reported or its groups acknowledged."""
+        """Note the step just trained; save with it when the checkpoint clock says so
+        (`checkpoint_every` steps, `checkpoint_every_s` seconds). Called before the step is
+        reported or its groups acknowledged."""
         self.last_step = trained
         count = trained.done.step + 1  # updates the weights hold
         if self.checkpoint_clock.due(count):

@@ -33,7 +33,6 @@ from pipeline.algorithms import (
     truncated_is_weights,
 )
 from pipeline.errors import ConfigError
-from pipeline.log import get_logger
 from pipeline.models import CausalLM, load_model
 from pipeline.training.advantages import global_whiten, group_advantages, vtrace
 from pipeline.training.batch import ExperienceBatch
@@ -53,6 +52,7 @@ from pipeline.training.loss_terms import (
 from pipeline.training.metrics import Metrics, MetricSums, MetricVector
 from pipeline.training.micro_batching import MicroBatch
 from pipeline.training.phase_clock import PhaseClock
+from pipeline.training.proximal_reuse import ReuseCheck
 from pipeline.training.reference import ReferencePolicy
 
 _BATCH_KEYS = (
@@ -75,46 +75,6 @@ def _load_causal_lm(model: str | os.PathLike[str] | CausalLM) -> CausalLM:
     loaded = load_model(model, dtype=torch.float32)
     assert isinstance(loaded, CausalLM)
     return loaded
-
-
-class ReuseCheck:
-    """When a batch's behaviour log-probs serve as the proximal ones
-    (`trainer.reuse_behaviour_logprobs`): on-policy batches only, every
-    `reuse_check_every`-th of them (the first too) measured instead, and never again once a
-    measured mismatch KL exceeds `reuse_max_mismatch_kl`."""
-
-    def __init__(self, config: TrainerConfig) -> None:
-        self.config = config
-        self.allowed = config.reuse_behaviour_logprobs
-        self.on_policy_steps = 0
-        self.log = get_logger("training.reuse")
-
-    def reuses(self, on_policy: bool) -> bool:
-        if not (on_policy and self.allowed):
-            return False
-        check = self.on_policy_steps % self.config.reuse_check_every == 0
-        self.on_policy_steps += 1
-        return not check
-
-    def settle(self, metrics: dict[str, float], *, reused: bool, checked: bool) -> None:
-        """A finished step's metrics: the mismatch a reused step did not measure left out,
-        a check's mismatch against the bound."""
-        metrics["actor/proximal_reused"] = float(reused)
-        if reused:
-            for key in ("mismatch/kl", "mismatch/mean_abs_diff", "mismatch/truncated_frac"):
-                metrics.pop(key, None)
-            metrics.pop("mismatch/max_abs_diff", None)
-        elif checked and self.allowed:
-            kl = metrics.get("mismatch/kl", 0.0)
-            if not kl <= self.config.reuse_max_mismatch_kl:
-                self.allowed = False
-                self.log.warning(
-                    "proximal_reuse_stopped",
-                    mismatch_kl=kl,
-                    bound=self.config.reuse_max_mismatch_kl,
-                    message="the engine's log-probs differ from the learner's: every step "
-                    "now runs the proximal forward",
-                )
 
 
 class PendingStep:

@@ -174,6 +174,16 @@ def run_one(profile: str, steps: int, staleness: int, runs: Path, extra: list[st
     return runs / name
 
 
+def gpu_sharing(run_dir: Path) -> str:
+    """How the run's services shared their GPUs (the supervisor's choice and reason)."""
+    try:
+        sharing = json.loads((run_dir / "supervisor.json").read_text())["gpu_sharing"]
+    except (OSError, ValueError, KeyError):
+        return "unknown"
+    shares = ",".join(f"{k}={v}" for k, v in sorted(sharing.get("shares", {}).items()))
+    return f"{sharing['mode']} ({sharing['reason']}){' shares ' + shares if shares else ''}"
+
+
 PRESETS = {
     "one-gpu": {
         "profile": "profiles/h200-single.toml",
@@ -228,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         for level in levels:
             run_dir = run_one(args.profile, args.steps, level, runs, extra)
             results[level] = measure(run_dir, args.skip)
+            config[f"gpu_sharing_s{level}"] = gpu_sharing(run_dir)
             figs = figures(results, config, args)
             if args.json is not None:  # after every run: a bench killed at its limit keeps these
                 emit_file(figs, args.json)

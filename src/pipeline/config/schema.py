@@ -54,6 +54,10 @@ class RunConfig:
     keys_dir: str = ""
     # allow binding a non-loopback address without CURVE keys (never in production)
     allow_insecure: bool = False
+    # services sharing one GPU: "mps" runs their kernels side by side under a CUDA MPS
+    # daemon of the run's own, "time-slice" lets them take turns (the driver's default),
+    # "auto" takes MPS where a GPU is shared and the MPS tools run (the run log says which)
+    gpu_sharing: Literal["auto", "mps", "time-slice"] = "auto"
 
     def validate(self) -> None:
         if not self.name or "/" in self.name:
@@ -100,6 +104,9 @@ class PlacementConfig:
     fsdp_size: int = 1
     # tensor-parallel ranks of one engine replica (only 1 today: refused above it)
     tp: int = 1
+    # under CUDA MPS (run.gpu_sharing), the percentage of the GPU's SMs this role's
+    # kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 0: no limit
+    gpu_share: int = 0
     # the `python -m` module that serves this role: empty for the project's own
     # (services.<role>); yours subclasses that service and ends with `SERVICE = YourClass`
     # and the same main() (pipeline.runtime.cli_args.run_service)
@@ -115,6 +122,9 @@ class PlacementConfig:
             )
         if self.tp < 1 or self.fsdp_size < 1:
             raise ConfigError("services.*.tp and fsdp_size must be >= 1")
+        _require(
+            "services.*.gpu_share", self.gpu_share, 0 <= self.gpu_share <= 100, "between 0 and 100"
+        )
 
     def check_role(self, role: str) -> None:
         """What this role's service can honour: only trainers shard, and no engine splits a

@@ -33,6 +33,7 @@ from pipeline.errors import EXIT_CONFIG
 from pipeline.log import get_logger
 from pipeline.runtime import layout
 from pipeline.runtime.bytecode import bytecode_cache
+from pipeline.runtime.gpu_sharing import GpuSharing, MpsDaemon, choose
 from pipeline.runtime.restart_budget import RestartBudget
 
 # the longest a controller may take to prepare a run (a tiny model's warm start included)
@@ -83,6 +84,8 @@ class Supervisor:
             self.log.info(
                 "bytecode_cache", prefix=self.bytecode.prefix, reason=self.bytecode.reason
             )
+        self.sharing: GpuSharing = choose(config)
+        self.mps: MpsDaemon | None = None
 
     def _argv(self, child: Child) -> list[str]:
         args = [sys.executable, "-m", *launcher_args(self.config, child.role)]
@@ -103,6 +106,7 @@ class Supervisor:
         env = dict(os.environ, PIPELINE_LOG_JSON="1", PYTHONUNBUFFERED="1")
         if self.bytecode is not None:
             self.bytecode.apply(env)
+        self.sharing.apply(env, child.role)
         if trainer_ranks(self.config, child.role) > 1:  # torchrun asks for it, else warns
             env.setdefault("OMP_NUM_THREADS", str(max(1, self.config.run.torch_threads)))
         child.proc = subprocess.Popen(
@@ -224,6 +228,18 @@ class Supervisor:
                     file=sys.stderr,
                 )
 
+    def _start_sharing(self) -> None:
+        """The GPU sharing of the run, its MPS daemon started where it is MPS; logged."""
+        if self.sharing.mode == "mps":
+            self.mps = MpsDaemon(self.sharing, dict(os.environ))
+            self.sharing = self.mps.start(required=self.config.run.gpu_sharing == "mps")
+        self.log.info(
+            "gpu_sharing",
+            mode=self.sharing.mode,
+            reason=self.sharing.reason,
+            shares=self.sharing.shares,
+        )
+
     def run(self) -> int:
         """Start everything, watch, and return the controller's exit code."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -240,6 +256,7 @@ class Supervisor:
         progress = _Progress(self.run_dir, self.config) if self.show_progress else None
         code = 1
         try:
+            self._start_sharing()
             # all at once: the services import and start up while the controller prepares
             # the run (data, tokenizer, a tiny model's warm start); their hello waits for it
             for child in self.children:
@@ -268,6 +285,8 @@ class Supervisor:
                 code = 130
         finally:
             self.stop_all()
+            if self.mps is not None:
+                self.mps.stop()
             if self.config.run.transport == "ipc":  # the run's sockets, now unused
                 shutil.rmtree(layout.socket_dir(self.config), ignore_errors=True)
             if progress is not None:
@@ -279,6 +298,11 @@ class Supervisor:
                     {
                         "events": self.events,
                         "restarts": {c.name: c.restarts for c in self.children},
+                        "gpu_sharing": {
+                            "mode": self.sharing.mode,
+                            "reason": self.sharing.reason,
+                            "shares": self.sharing.shares,
+                        },
                     },
                     indent=2,
                 )

@@ -1,0 +1,147 @@
+"""How services that share one GPU share it: CUDA MPS or the driver's time-slicing.
+
+Separate processes on one GPU take turns by default (time-slicing): a decode step waits
+for the learner's kernels and the reverse, and an asynchronous run is no faster than a
+synchronous one. Under CUDA MPS their kernels run side by side on the GPU's SMs; each
+service's `services.ROLE.gpu_share` caps its share of the SMs
+(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so that training beside it leaves decode the SMs it
+needs. The supervisor starts a control daemon of its own (its pipe and log directories in a
+private temporary directory) before the services and stops it after them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline.config import PipelineConfig
+from pipeline.config.schema import ROLES
+from pipeline.errors import ConfigError
+from pipeline.log import get_logger
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def shared_gpus(config: PipelineConfig) -> dict[str, list[str]]:
+    """Each GPU ("host:device") that more than one service process uses, with those
+    processes' names."""
+    users: dict[str, list[str]] = defaultdict(list)
+    for role in ROLES:
+        if role not in config.services:
+            continue
+        pool = config.pools[config.services[role].pool]
+        for replica in range(config.replicas(role)):
+            for device in config.devices(role, replica):
+                users[f"{pool.host}:{device}"].append(f"{role}-{replica}")
+    return {gpu: names for gpu, names in users.items() if len(names) > 1}
+
+
+@dataclass
+class GpuSharing:
+    """The choice for a run: `mode` is "mps" or "time-slice", `reason` says why."""
+
+    mode: str
+    reason: str
+    shares: dict[str, int] = field(default_factory=dict)  # role -> SM percentage
+    directory: str = ""
+
+    def apply(self, env: dict[str, str], role: str) -> None:
+        """A service's environment under this choice."""
+        if self.mode != "mps":
+            return
+        env["CUDA_MPS_PIPE_DIRECTORY"] = f"{self.directory}/pipe"
+        env["CUDA_MPS_LOG_DIRECTORY"] = f"{self.directory}/log"
+        if self.shares.get(role):
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.shares[role])
+        else:
+            env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+
+    def daemon_env(self, environ: dict[str, str]) -> dict[str, str]:
+        env = dict(environ)
+        env["CUDA_MPS_PIPE_DIRECTORY"] = f"{self.directory}/pipe"
+        env["CUDA_MPS_LOG_DIRECTORY"] = f"{self.directory}/log"
+        return env
+
+
+def choose(config: PipelineConfig, which: Callable[[str], str | None] = shutil.which) -> GpuSharing:
+    """What `run.gpu_sharing` means for this config on this host, before any daemon runs.
+    "mps" where it cannot be honoured is a ConfigError; "auto" falls back to time-slicing
+    and says why."""
+    wanted = config.run.gpu_sharing
+    shared = shared_gpus(config)
+    shares = {
+        role: config.services[role].gpu_share
+        for role in config.services
+        if config.services[role].gpu_share
+    }
+    if wanted == "time-slice":
+        return GpuSharing("time-slice", "run.gpu_sharing = time-slice")
+    if not shared:
+        if wanted == "mps":
+            raise ConfigError(
+                "run.gpu_sharing = mps but no GPU is shared by two services; use auto or time-slice"
+            )
+        return GpuSharing("time-slice", "no GPU is shared by two services")
+    if which(MPS_CONTROL) is None:
+        if wanted == "mps":
+            raise ConfigError(
+                f"run.gpu_sharing = mps but {MPS_CONTROL} is not on PATH; install the "
+                "CUDA driver's MPS tools or set run.gpu_sharing = time-slice"
+            )
+        return GpuSharing("time-slice", f"{MPS_CONTROL} not found")
+    gpus = ", ".join(f"{gpu} ({' '.join(names)})" for gpu, names in sorted(shared.items()))
+    return GpuSharing("mps", f"shared GPUs: {gpus}", shares)
+
+
+class MpsDaemon:
+    """A private MPS control daemon for one run, started and stopped by the supervisor."""
+
+    def __init__(self, sharing: GpuSharing, environ: dict[str, str]) -> None:
+        self.sharing = sharing
+        self.environ = environ
+        self.log = get_logger("gpu_sharing")
+        self.started = False
+
+    def start(self, *, required: bool) -> GpuSharing:
+        """Start the daemon; returns the sharing in force (time-slicing with the reason
+        when the daemon would not start and MPS was not required)."""
+        self.sharing.directory = tempfile.mkdtemp(prefix="pipeline-mps-")
+        env = self.sharing.daemon_env(self.environ)
+        try:
+            proc = subprocess.run(
+                [MPS_CONTROL, "-d"], env=env, capture_output=True, text=True, timeout=30
+            )
+            failure = "" if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()
+            failure = failure or (f"exit code {proc.returncode}" if proc.returncode else "")
+        except (OSError, subprocess.TimeoutExpired) as err:
+            failure = str(err)
+        if failure:
+            shutil.rmtree(self.sharing.directory, ignore_errors=True)
+            if required:
+                raise ConfigError(f"run.gpu_sharing = mps: {MPS_CONTROL} -d failed: {failure}")
+            return GpuSharing("time-slice", f"{MPS_CONTROL} -d failed: {failure}")
+        self.started = True
+        return self.sharing
+
+    def stop(self) -> None:
+        """Quit the daemon (its server exits once the services have) and remove its
+        directory. Idempotent."""
+        if not self.started:
+            return
+        self.started = False
+        try:
+            subprocess.run(
+                [MPS_CONTROL],
+                input="quit\n",
+                env=self.sharing.daemon_env(self.environ),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.TimeoutExpired) as err:
+            self.log.warning("mps_quit_failed", error=str(err))
+        shutil.rmtree(self.sharing.directory, ignore_errors=True)

@@ -1,0 +1,66 @@
+"""Which GPU sharing a run gets (runtime/gpu_sharing.py): MPS where services share a GPU and
+the MPS tools run, time-slicing otherwise, with the reason."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from pipeline.config.profile import load_config
+from pipeline.errors import ConfigError
+from pipeline.runtime.gpu_sharing import MpsDaemon, choose, shared_gpus
+
+
+def _found(name: str) -> str:
+    return f"/usr/bin/{name}"
+
+
+def test_one_gpu_profile_shares_its_gpu_under_mps_with_the_roles_shares():
+    config = load_config("profiles/h200-single.toml", {"services.learner.gpu_share": "40"})
+    assert shared_gpus(config) == {"127.0.0.1:0": ["rollout-0", "critic-0", "learner-0"]}
+    sharing = choose(config, which=_found)
+    assert sharing.mode == "mps"
+    assert "127.0.0.1:0 (rollout-0 critic-0 learner-0)" in sharing.reason
+    sharing.directory = "/tmp/x"
+    learner = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "90"}
+    sharing.apply(learner, "learner")
+    rollout = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "90"}  # inherited: not the rollout's
+    sharing.apply(rollout, "rollout")
+    assert learner["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in rollout
+    assert rollout["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/x/pipe"
+
+
+def test_auto_falls_back_to_time_slicing_and_says_why():
+    config = load_config("profiles/h200-single.toml")
+    sharing = choose(config, which=lambda name: None)
+    assert (sharing.mode, sharing.reason) == ("time-slice", "nvidia-cuda-mps-control not found")
+    env: dict[str, str] = {}
+    sharing.apply(env, "learner")
+    assert env == {}
+    cpu = choose(load_config("profiles/local-cpu.toml"), which=_found)
+    assert (cpu.mode, cpu.reason) == ("time-slice", "no GPU is shared by two services")
+    two = load_config("profiles/h200-x2.toml")
+    assert choose(two, which=_found).mode == ("mps" if shared_gpus(two) else "time-slice")
+
+
+def test_mps_asked_for_where_it_cannot_run_is_refused():
+    config = load_config("profiles/h200-single.toml", {"run.gpu_sharing": "mps"})
+    with pytest.raises(ConfigError, match="not on PATH"):
+        choose(config, which=lambda name: None)
+    with pytest.raises(ConfigError, match="no GPU is shared"):
+        choose(load_config("profiles/local-cpu.toml", {"run.gpu_sharing": "mps"}))
+    with pytest.raises(ConfigError, match="between 0 and 100"):
+        load_config("profiles/h200-single.toml", {"services.learner.gpu_share": "150"})
+
+
+@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is not None, reason="MPS here")
+def test_a_daemon_that_does_not_start_leaves_time_slicing_or_refuses():
+    config = load_config("profiles/h200-single.toml")
+    daemon = MpsDaemon(choose(config, which=_found), {})
+    fallback = daemon.start(required=False)
+    assert fallback.mode == "time-slice" and "failed" in fallback.reason
+    assert not daemon.started
+    with pytest.raises(ConfigError, match="-d failed"):
+        MpsDaemon(choose(config, which=_found), {}).start(required=True)

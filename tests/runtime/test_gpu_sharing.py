@@ -19,7 +19,7 @@ def _found(name: str) -> str:
 def test_one_gpu_profile_shares_its_gpu_under_mps_with_the_roles_shares():
     config = load_config("profiles/h200-single.toml", {"services.learner.gpu_share": "40"})
     assert shared_gpus(config) == {"127.0.0.1:0": ["rollout-0", "critic-0", "learner-0"]}
-    sharing = choose(config, which=_found)
+    sharing = choose(config, which=_found, environ={})
     assert sharing.mode == "mps"
     assert "127.0.0.1:0 (rollout-0 critic-0 learner-0)" in sharing.reason
     sharing.directory = "/tmp/x"
@@ -32,9 +32,21 @@ def test_one_gpu_profile_shares_its_gpu_under_mps_with_the_roles_shares():
     assert rollout["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/x/pipe"
 
 
+def test_a_daemon_that_runs_already_is_used(tmp_path):
+    (tmp_path / "control").touch()
+    config = load_config("profiles/h200-single.toml")
+    sharing = choose(
+        config, which=lambda name: None, environ={"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    )
+    assert sharing.mode == "mps" and sharing.running == str(tmp_path)
+    env: dict[str, str] = {}
+    sharing.apply(env, "rollout")
+    assert env == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+
+
 def test_auto_falls_back_to_time_slicing_and_says_why():
     config = load_config("profiles/h200-single.toml")
-    sharing = choose(config, which=lambda name: None)
+    sharing = choose(config, which=lambda name: None, environ={})
     assert (sharing.mode, sharing.reason) == ("time-slice", "nvidia-cuda-mps-control not found")
     env: dict[str, str] = {}
     sharing.apply(env, "learner")
@@ -48,7 +60,7 @@ def test_auto_falls_back_to_time_slicing_and_says_why():
 def test_mps_asked_for_where_it_cannot_run_is_refused():
     config = load_config("profiles/h200-single.toml", {"run.gpu_sharing": "mps"})
     with pytest.raises(ConfigError, match="not on PATH"):
-        choose(config, which=lambda name: None)
+        choose(config, which=lambda name: None, environ={})
     with pytest.raises(ConfigError, match="no GPU is shared"):
         choose(load_config("profiles/local-cpu.toml", {"run.gpu_sharing": "mps"}))
     with pytest.raises(ConfigError, match="between 0 and 100"):

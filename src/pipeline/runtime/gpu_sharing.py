@@ -11,11 +11,12 @@ private temporary directory) before the services and stops it after them.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pipeline.config import PipelineConfig
@@ -24,6 +25,7 @@ from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
+DEFAULT_PIPE = "/tmp/nvidia-mps"  # where a daemon started without CUDA_MPS_PIPE_DIRECTORY listens
 
 
 def shared_gpus(config: PipelineConfig) -> dict[str, list[str]]:
@@ -47,14 +49,18 @@ class GpuSharing:
     mode: str
     reason: str
     shares: dict[str, int] = field(default_factory=dict)  # role -> SM percentage
-    directory: str = ""
+    directory: str = ""  # the run's own daemon's
+    running: str = ""  # the pipe directory of a daemon already running: the services use it
 
     def apply(self, env: dict[str, str], role: str) -> None:
         """A service's environment under this choice."""
         if self.mode != "mps":
             return
-        env["CUDA_MPS_PIPE_DIRECTORY"] = f"{self.directory}/pipe"
-        env["CUDA_MPS_LOG_DIRECTORY"] = f"{self.directory}/log"
+        if self.running:
+            env["CUDA_MPS_PIPE_DIRECTORY"] = self.running
+        else:
+            env["CUDA_MPS_PIPE_DIRECTORY"] = f"{self.directory}/pipe"
+            env["CUDA_MPS_LOG_DIRECTORY"] = f"{self.directory}/log"
         if self.shares.get(role):
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.shares[role])
         else:
@@ -67,10 +73,21 @@ class GpuSharing:
         return env
 
 
-def choose(config: PipelineConfig, which: Callable[[str], str | None] = shutil.which) -> GpuSharing:
+def running_daemon(environ: Mapping[str, str]) -> str:
+    """The pipe directory of an MPS daemon that runs already (the user's or the host's),
+    or ""."""
+    pipe = environ.get("CUDA_MPS_PIPE_DIRECTORY", "") or DEFAULT_PIPE
+    return pipe if os.path.exists(os.path.join(pipe, "control")) else ""
+
+
+def choose(
+    config: PipelineConfig,
+    which: Callable[[str], str | None] = shutil.which,
+    environ: Mapping[str, str] = os.environ,
+) -> GpuSharing:
     """What `run.gpu_sharing` means for this config on this host, before any daemon runs.
     "mps" where it cannot be honoured is a ConfigError; "auto" falls back to time-slicing
-    and says why."""
+    and says why. A daemon that runs already is used, not started again."""
     wanted = config.run.gpu_sharing
     shared = shared_gpus(config)
     shares = {
@@ -86,6 +103,11 @@ def choose(config: PipelineConfig, which: Callable[[str], str | None] = shutil.w
                 "run.gpu_sharing = mps but no GPU is shared by two services; use auto or time-slice"
             )
         return GpuSharing("time-slice", "no GPU is shared by two services")
+    gpus = ", ".join(f"{gpu} ({' '.join(names)})" for gpu, names in sorted(shared.items()))
+    if running := running_daemon(environ):
+        return GpuSharing(
+            "mps", f"shared GPUs: {gpus}; the MPS daemon at {running}", shares, running=running
+        )
     if which(MPS_CONTROL) is None:
         if wanted == "mps":
             raise ConfigError(
@@ -93,7 +115,6 @@ def choose(config: PipelineConfig, which: Callable[[str], str | None] = shutil.w
                 "CUDA driver's MPS tools or set run.gpu_sharing = time-slice"
             )
         return GpuSharing("time-slice", f"{MPS_CONTROL} not found")
-    gpus = ", ".join(f"{gpu} ({' '.join(names)})" for gpu, names in sorted(shared.items()))
     return GpuSharing("mps", f"shared GPUs: {gpus}", shares)
 
 

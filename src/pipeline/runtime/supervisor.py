@@ -230,7 +230,7 @@ class Supervisor:
 
     def _start_sharing(self) -> None:
         """The GPU sharing of the run, its MPS daemon started where it is MPS; logged."""
-        if self.sharing.mode == "mps":
+        if self.sharing.mode == "mps" and not self.sharing.running:
             self.mps = MpsDaemon(self.sharing, dict(os.environ))
             self.sharing = self.mps.start(required=self.config.run.gpu_sharing == "mps")
         self.log.info(

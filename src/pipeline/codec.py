@@ -220,7 +220,7 @@ def decode(
     if allowed is not None and msg_type not in allowed:
         names = sorted(t.name for t in allowed)
         raise SchemaMismatch("wrong_type", f"{msg_type.name} on a channel that carries {names}")
-    if run_id is not None and header.run_id and header.run_id != run_id:
+    if run_id is not None and header.run_id != run_id:  # an empty one too
         raise SchemaMismatch("wrong_run", f"run id {header.run_id!r}, expected {run_id!r}")
     try:
         body = _body_decoders[msg_type].decode(_frame_bytes(frames[1]))

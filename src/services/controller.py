@@ -52,6 +52,7 @@ from pipeline.runtime.service import MetricsWriter
 from pipeline.step_log import StepLog
 from pipeline.transport import ControlServer, QueueServer
 from pipeline.transport.control import PeerEvent
+from pipeline.transport.security import refused as refused_peers
 
 
 class Controller:
@@ -303,6 +304,8 @@ class Controller:
             **done.metrics,
             # messages the control socket refused so far, by reason
             **{f"controller/rejected.{k}": float(v) for k, v in control.stats.rejected.items()},
+            # peers whose handshake failed (not part of the run), by reason
+            **{f"controller/refused.{k}": float(v) for k, v in refused_peers().items()},
         }
         entry = {
             "kind": "step",

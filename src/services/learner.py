@@ -36,6 +36,7 @@ from pipeline.step_reports import StepReports
 from pipeline.trainer_setup import Recompiles, compile_counts, group_stats
 from pipeline.transport import Delivery
 from pipeline.transport.channel import cancel_and_wait
+from pipeline.transport.security import refused as refused_peers
 
 
 def batch_stats(groups: list[GroupArrays]) -> dict[str, float]:
@@ -239,6 +240,8 @@ class LearnerService(Service):
             metrics["staleness_max"] = float(max(lag, default=0))
             metrics["staleness_mean"] = float(np.mean(lag)) if lag else 0.0
             metrics["dropped_stale"] = float(sum(len(g.samples) for _, g in stale))
+            # peers refused at the handshake (the weight hub's and the queues' sockets)
+            metrics.update({f"learner/refused.{k}": float(v) for k, v in refused_peers().items()})
             done = StepDone(
                 step=self.step,
                 policy_version=self.version + 1,

@@ -1,6 +1,8 @@
 """Messages the controller refuses reach every step's metrics (`controller/rejected.<reason>`,
 TensorBoard with the rest) while the log holds a few lines of them (issue 33, defect 7:
-the counters never left the process and every bad message was a log line)."""
+the counters never left the process and every bad message was a log line). A local peer
+without the run's secret never gets a message through; its handshakes are counted
+(`controller/refused.<reason>`; issue 33, defect 1)."""
 
 from __future__ import annotations
 
@@ -27,23 +29,31 @@ def test_junk_sent_to_the_control_socket_is_counted_in_the_step_metrics(tmp_path
     endpoint = layout.controller_endpoint(load_config("profiles/local-cpu.toml", overrides))
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    rogue = zmq.Context.instance().socket(zmq.DEALER)  # knows the address, not the secret
+    rogue.setsockopt(zmq.LINGER, 0)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "junk/run.json").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
             time.sleep(0.1)
+        sock.setsockopt(zmq.PLAIN_USERNAME, b"pipeline")
+        sock.setsockopt(zmq.PLAIN_PASSWORD, (tmp_path / "junk/run.secret").read_bytes().strip())
         sock.connect(endpoint)
+        rogue.connect(endpoint)
         for _ in range(40):
             sock.send_multipart([b"\xc1\xc1", b"junk"])
+            rogue.send_multipart([b"\xc1\xc1", b"junk"], zmq.NOBLOCK)
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err.decode()[-3000:]
     finally:
         sock.close()
+        rogue.close()
         if proc.poll() is None:
             proc.kill()
     steps = [
         json.loads(x) for x in (tmp_path / "junk/metrics/steps.jsonl").read_text().split("\n") if x
     ]
-    assert steps[-1]["controller/rejected.malformed"] == 40
+    assert steps[-1]["controller/rejected.malformed"] == 40  # the rogue's never arrived
+    assert steps[-1]["controller/refused.wrong_mechanism"] >= 1
     log = (tmp_path / "junk/logs/controller-0.log").read_text()
     assert log.count('"message_rejected"') <= 6

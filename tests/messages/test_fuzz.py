@@ -93,8 +93,7 @@ def corpus(seed: int, per_type: int = 6) -> list[list[bytes]]:
     for cls in MESSAGE_TYPES.values():
         for i in range(per_type):
             body, pack = build_message(cls, pick)
-            run_id = RUN if i % 3 else ""
-            out.append(_flat(encode(body, run_id=run_id, sender="s", seq=i, tensors=pack)))
+            out.append(_flat(encode(body, run_id=RUN, sender="s", seq=i, tensors=pack)))
     return out
 
 

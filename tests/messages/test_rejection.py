@@ -212,9 +212,13 @@ def test_good_message_passes_the_same_checks() -> None:
     assert msg.tensor(msg.body.prompt_ids).tolist() == [0, 1, 2, 3]
 
 
-def test_empty_run_id_is_not_checked() -> None:
-    """Documented leniency: a sender without a run id yet (pre-handshake) passes the run check."""
-    decode(good_prompt(run_id=""), allowed=PROMPTS, run_id=RUN)
+def test_empty_run_id_is_refused_where_the_run_is_known() -> None:
+    """Issue 33, defect 1: an empty run id passed every check, so a forged Hello registered
+    at the weight hub. Only the control socket (run_id=None: a service's first hello
+    precedes its run id) takes one."""
+    with pytest.raises(SchemaMismatch, match=r"run id"):
+        decode(good_prompt(run_id=""), allowed=PROMPTS, run_id=RUN)
+    decode(good_prompt(run_id=""), allowed=PROMPTS, run_id=None)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, from the overflowing product

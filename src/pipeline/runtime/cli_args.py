@@ -36,9 +36,11 @@ def service_args(role: str, argv: list[str] | None) -> tuple[argparse.Namespace,
     config = load_config(args.profile, parse_override_args(rest))
     if args.pool is not None:
         config = config.placed_on(role, args.pool)
-    from pipeline.transport.security import configure
+    from pipeline.runtime import layout
+    from pipeline.transport.security import configure, run_secret
 
-    configure(config.run.keys_dir or None, config.run.allow_insecure)
+    secret = run_secret(layout.run_dir(config))
+    configure(config.run.keys_dir or None, config.run.allow_insecure, secret)
     return args, config
 
 

@@ -35,6 +35,7 @@ from pipeline.runtime import layout
 from pipeline.runtime.bytecode import bytecode_cache
 from pipeline.runtime.gpu_sharing import GpuSharing, MpsDaemon, choose
 from pipeline.runtime.restart_budget import RestartBudget
+from pipeline.transport.security import run_secret
 
 # the longest a controller may take to prepare a run (a tiny model's warm start included)
 PREPARE_TIMEOUT_S = 900.0
@@ -244,6 +245,7 @@ class Supervisor:
         """Start everything, watch, and return the controller's exit code."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "run.json").unlink(missing_ok=True)  # readiness marker of this run
+        run_secret(self.run_dir)  # before any service: they all read the same one
         previous = signal.getsignal(signal.SIGINT)
         interrupted = False
 

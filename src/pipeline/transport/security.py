@@ -1,4 +1,10 @@
-"""ZeroMQ CURVE on every non-loopback endpoint: keys from `pipeline keys DIR`.
+"""Every socket authenticated: the run's secret on loopback and ipc://, CURVE elsewhere.
+
+A run's processes share a secret (`run_dir/run.secret`, 0600, made at the run's start):
+loopback and ipc:// sockets are ZeroMQ PLAIN servers and clients with it, so a local process
+that is not part of the run cannot connect (its handshake fails and is counted). PLAIN
+costs one check per connection, nothing per message. Non-loopback endpoints use CURVE with
+keys from `pipeline keys DIR`.
 
 Layout of DIR (pyzmq's certificate files, Z85 text, never pickle):
   server.key / server.key_secret   the binding side (every producer and the controller)
@@ -7,7 +13,7 @@ Layout of DIR (pyzmq's certificate files, Z85 text, never pickle):
 
 A socket that binds a non-loopback address becomes a CURVE server and only completes the
 handshake with a client whose public key is in `authorized/`; a socket that connects to a
-non-loopback address is a CURVE client of the server key. Loopback and ipc:// stay plain.
+non-loopback address is a CURVE client of the server key.
 Binding a non-loopback address without keys raises `InsecureEndpoint` unless the run sets
 run.allow_insecure. Not covered: torch.distributed's TCPStore and the NCCL/gloo sockets of
 the weight and learner groups carry no authentication; keep them on a private network.
@@ -15,8 +21,13 @@ the weight and learner groups carry no authentication; keep them on a private ne
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 import shutil
+import tempfile
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,23 +35,51 @@ from typing import Any
 import zmq
 
 from pipeline.errors import InsecureEndpoint
+from pipeline.transport.auth import PLAIN_USER, Gate
+
+SECRET_FILE = "run.secret"
 
 
 @dataclass(frozen=True)
 class Security:
     keys_dir: Path | None = None
     allow_insecure: bool = False
+    run_secret: str | None = None
 
 
 _state = {"security": Security()}
-_authenticators: dict[int, Any] = {}
+_gates: dict[int, Gate] = {}
+_stopped: Counter[str] = Counter()
 _lock = threading.Lock()
 
 
-def configure(keys_dir: str | Path | None, allow_insecure: bool = False) -> None:
-    """Set this process's keys (every service calls it with the run's config)."""
+def configure(
+    keys_dir: str | Path | None, allow_insecure: bool = False, run_secret: str | None = None
+) -> None:
+    """Set this process's keys and the run's secret (every service calls it with the run's
+    config); without a secret, loopback and ipc:// sockets take any local peer."""
     path = Path(keys_dir).expanduser().resolve() if keys_dir else None
-    _state["security"] = Security(keys_dir=path, allow_insecure=allow_insecure)
+    _state["security"] = Security(path, allow_insecure, run_secret)
+
+
+def run_secret(run_dir: Path) -> str:
+    """The run's secret, `run_dir/run.secret` (0600): made by the first of the run's
+    processes to ask (the supervisor, or the first service started by hand), read by the
+    rest. Written whole before it appears: a reader never sees half of it."""
+    path = run_dir / SECRET_FILE
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".secret-")  # 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            with contextlib.suppress(FileExistsError):  # another process made it first
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+    if path.stat().st_mode & 0o077:
+        raise InsecureEndpoint(f"{path} is readable by other users: chmod 600 {path}")
+    return path.read_text().strip()
 
 
 def current() -> Security:
@@ -76,38 +115,49 @@ def _load(name: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def _authenticator(ctx: Any) -> None:
-    """One ZAP handler per context, accepting the public keys in keys_dir/authorized."""
-    from zmq.auth.thread import ThreadAuthenticator
-
-    keys = current().keys_dir
-    assert keys is not None
+def _gate(ctx: Any) -> Gate:
+    """The context's ZAP handler, started on first use: the run's secret for PLAIN, the
+    public keys in keys_dir/authorized for CURVE."""
+    sec = current()
     with _lock:
-        if id(ctx) in _authenticators:
-            return
-        # a plain context over the same ZeroMQ context: the handler thread blocks normally
-        plain = zmq.Context.shadow(ctx.underlying)
-        auth = ThreadAuthenticator(plain)
-        auth.start()
-        auth.configure_curve(domain="*", location=str(keys / "authorized"))
-        _authenticators[id(ctx)] = (auth, plain)
+        gate = _gates.get(id(ctx))
+        if gate is None:
+            authorized = sec.keys_dir / "authorized" if sec.keys_dir is not None else None
+            gate = Gate(ctx, secret=sec.run_secret, curve_keys=authorized)
+            gate.start()
+            _gates[id(ctx)] = gate
+        return gate
 
 
 def release(ctx: Any) -> None:
     """Stop the ZAP handler of `ctx`, if it has one. Call it before `ctx.term()`: the
     handler's socket lives on that context, so term would otherwise wait for it forever."""
     with _lock:
-        entry = _authenticators.pop(id(ctx), None)
-    if entry is not None:
-        auth, _plain = entry
-        auth.stop()
+        gate = _gates.pop(id(ctx), None)
+        if gate is not None:
+            _stopped.update(gate.counts())
+    if gate is not None:
+        gate.stop()
+
+
+def refused() -> dict[str, int]:
+    """Handshakes this process's sockets refused, by reason (a peer without the run's
+    secret or key), since it started."""
+    with _lock:
+        total = Counter(_stopped)
+        for gate in _gates.values():
+            total.update(gate.counts())
+    return dict(total)
 
 
 def secure_bind(sock: Any, endpoint: str, *, loopback: bool) -> None:
     """Make `sock` a CURVE server before binding a non-loopback `endpoint`."""
-    if loopback:
-        return
     sec = current()
+    if loopback:
+        if sec.run_secret is not None:  # only the run's processes know it
+            _gate(sock.context).watch(sock, endpoint)
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
+        return
     if sec.keys_dir is None:
         if sec.allow_insecure:
             return
@@ -117,7 +167,7 @@ def secure_bind(sock: Any, endpoint: str, *, loopback: bool) -> None:
             "network)"
         )
     public, secret = _load("server")
-    _authenticator(sock.context)
+    _gate(sock.context).watch(sock, endpoint)
     # setsockopt, not attributes: `sock` may be a wrapper (AsyncSocket) around the socket
     sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
@@ -125,8 +175,15 @@ def secure_bind(sock: Any, endpoint: str, *, loopback: bool) -> None:
 
 
 def secure_connect(sock: Any, endpoint: str, *, loopback: bool) -> None:
-    """Make `sock` a CURVE client of the run's server key for a non-loopback `endpoint`."""
-    if loopback or current().keys_dir is None:
+    """Make `sock` a PLAIN client with the run's secret for a loopback `endpoint`, a CURVE
+    client of the run's server key for any other."""
+    sec = current()
+    if loopback:
+        if sec.run_secret is not None:
+            sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER.encode())
+            sock.setsockopt(zmq.PLAIN_PASSWORD, sec.run_secret.encode())
+        return
+    if sec.keys_dir is None:
         return
     server_public, _ = _load("server")
     public, secret = _load("client")

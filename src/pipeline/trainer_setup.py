@@ -93,9 +93,10 @@ def compiles(trainer: TrainerConfig) -> bool:
 
 
 def warm_up_batches(config: PipelineConfig, vocab_size: int) -> list[ExperienceBatch]:
-    """Two batches of a step's samples at the run's lengths: one whose sequences all have
-    the longest prompt and response (the packed micro-batch attends as rows), one of
-    lengths spread over the upper half (varlen); with every per-token field a trainer may
+    """Three batches of a step's samples at the run's lengths: one whose sequences all have
+    the longest prompt and response, one of lengths spread over the upper half (varlen),
+    and one of sequences alike whose length is a power of two, so that packed micro-batches
+    fill whole buckets and attend as rows (see bucket_filling); with every per-token field a trainer may
     read, so that every estimator's path runs. As many samples as a step trains, so that
     the micro-batches are as large as a step's: inductor guards some fusions on the
     token count. Groups of two (no size 0 or 1, which the compiler special-cases)."""
@@ -115,6 +116,7 @@ def warm_up_batches(config: PipelineConfig, vocab_size: int) -> list[ExperienceB
             (prompt - (3 * i) % max(1, prompt // 2), response - (5 * i) % max(1, response // 2))
             for i in range(n)
         ],
+        [bucket_filling(prompt, response)] * n,
     ):
         prompts = [torch.randint(vocab_size, (p,), generator=generator) for p, _ in lengths]
         responses = [torch.randint(vocab_size, (r,), generator=generator) for _, r in lengths]
@@ -136,6 +138,16 @@ def warm_up_batches(config: PipelineConfig, vocab_size: int) -> list[ExperienceB
             )
         )
     return batches
+
+
+def bucket_filling(prompt: int, response: int) -> tuple[int, int]:
+    """A prompt and response length whose sum is the largest power of two they reach: a
+    micro-batch of such sequences fills whole buckets (pack_bucket_tokens are powers of
+    two) and takes the uniform attention path, which a run meets whenever its samples
+    happen to line up so, and which would compile mid-run if the warm-up never took it."""
+    length = 1 << max(1, (prompt + response).bit_length() - 1)
+    p = min(prompt, max(1, length - response))
+    return p, max(1, length - p)
 
 
 def batch_from_groups(groups: list[GroupArrays]) -> ExperienceBatch:

@@ -95,3 +95,37 @@ def test_a_warmed_up_critic_never_recompiles(model_dir):
         )
         assert critic.train_step(batch)["critic/skipped_updates"] == 0
     assert _frames() == warm
+
+
+def test_warm_up_batches_cover_micro_batches_that_fill_whole_buckets(model_dir):
+    """Issue 30: a 50-step H200 run recompiled the critic at step 16, when a micro-batch's
+    sequences all had one length and filled whole buckets (the uniform attention path,
+    which the warm-up's batches never took). The run's own warm-up batches now do."""
+    from pipeline.config import load_config
+    from pipeline.trainer_setup import warm_up_batches
+
+    config = load_config(
+        "profiles/local-cpu.toml",
+        {
+            "task.max_prompt_tokens": "5",
+            "rollout.max_new_tokens": "10",
+            "controller.prompts_per_step": "2",
+            "rollout.n_samples": "4",
+        },
+    )
+    bucketed = COMPILED.replace(lr=1e-4, pack_bucket_tokens=16)
+    for role in ("critic", "policy"):
+        torch._dynamo.reset()
+        counters.clear()
+        if role == "critic":
+            trainer = CriticTrainer(model_dir, bucketed, AlgorithmConfig())
+        else:
+            trainer = PolicyTrainer(model_dir, bucketed, AlgorithmConfig())
+        trainer.warm_up(warm_up_batches(config, 64))
+        warm = _frames()
+        # 4 sequences of 8 tokens a mini-batch: 32 tokens, two whole buckets
+        batch = make_batch(seed=3, n=8, prompt_len=(4, 5), response_len=(4, 5))
+        if role == "critic":
+            batch, _ = trainer.compute_advantages(batch.replace(advantages=None))
+        trainer.train_step(batch)
+        assert _frames() == warm, f"the {role} compiled a bucket-filling micro-batch mid-run"

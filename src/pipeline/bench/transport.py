@@ -10,7 +10,8 @@ arguments ints and strings only), over ipc:// (unix sockets) for every system:
             marks set to the credit window `ours` runs with
   bound     an AF_UNIX stream socket: sendall() of the same bytes (small messages 256 KiB
             at a time), recv_into() a reused buffer
-Each run warms up, then the consumer times a window; runs of the three systems are
+`ours` authenticates every connection as a run does (ZeroMQ PLAIN with a per-run secret;
+`--no-auth` leaves it out). Each run warms up, then the consumer times a window; runs of the three systems are
 interleaved and repeated, and the medians are reported. Prints a table, the CPU time per
 message of each process (steadier than msgs/s on a shared machine), then one JSON object
 per figure (`pipeline.bench.common`); `ratio` is ours / baseline. `--profile DIR` runs every
@@ -306,6 +307,7 @@ def _role_args(role: str, endpoint: str, size: int, a: argparse.Namespace) -> li
         "--min-msgs",
         str(min_msgs(size, a)),
         *(["--profile", str(a.profile)] if a.profile is not None else []),
+        *(["--secret", a.secret] if a.secret and role.startswith("ours") else []),
     ]
 
 
@@ -410,6 +412,8 @@ def figures(
             "acks": True,
             "message": "Prompt with one uint8 tensor frame",
             "transport": "ipc",
+            # ours: every connection authenticated as the pipeline's are (PLAIN, a run secret)
+            "auth": "none" if a.no_auth else "plain run secret",
             "baseline_kind": f"PUSH/PULL, payload frame only, copy=False, SNDHWM=RCVHWM={window}",
             "bound_kind": "AF_UNIX stream, sendall >= 256 KiB / recv_into a reused buffer",
             "timing": "consumer side, median of repeats; GB = 1e9 payload bytes",
@@ -452,6 +456,10 @@ def run_role(a: argparse.Namespace) -> None:
     Producers run until SIGTERM, then print their `Meter` (and dump the profile).
     """
     producer = a.role.endswith("-producer")
+    if a.secret:  # the pipeline's own sockets, authenticated as in a run
+        from pipeline.transport.security import configure
+
+        configure(None, run_secret=a.secret)
 
     def stop(signum: int, frame: Any) -> None:
         METER.report()
@@ -495,10 +503,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--hwm", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--profile", type=Path, default=None, help="cProfile each process into DIR")
+    ap.add_argument("--no-auth", action="store_true", help="ours without the run's authentication")
+    ap.add_argument("--secret", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.role is not None:
         run_role(a)
         return
+    if not a.no_auth:
+        import secrets
+
+        a.secret = secrets.token_hex(32)
     a.sizes = [parse_size(s.strip()) for s in a.sizes.split(",") if s.strip()]
     started = time.monotonic()
     figs = figures(measure(a), a)

@@ -56,7 +56,7 @@ class RunConfig:
     allow_insecure: bool = False
     # services sharing one GPU: "mps" runs their kernels side by side under a CUDA MPS
     # daemon of the run's own, "time-slice" lets them take turns (the driver's default),
-    # "auto" takes MPS where a GPU is shared and the MPS tools run (the run log says which)
+    # "auto": time-slicing, measured faster for this pipeline (the run log says why)
     gpu_sharing: Literal["auto", "mps", "time-slice"] = "auto"
 
     def validate(self) -> None:

@@ -276,20 +276,26 @@ async def serve(
             recorder = QueueRecorder(
                 queue_path(ctx.run_dir, in_queue), queue=in_queue, run_id=ctx.run_id
             )
-        ctx.input = await QueueClient(
+        # started (credit granted) after setup: setup may seed its de-duplication
+        ctx.input = QueueClient(
             in_queue,
             layout.producer_endpoints(config, in_queue),
             run_id=ctx.run_id,
             consumer=f"{role}-{replica}",
             config=channel,
             recorder=recorder,
-        ).start()
+        )
     service = service_cls(ctx)
     log.info("service_starting", input=in_queue, output=out_queue)
     stats_task = asyncio.create_task(_log_stats(ctx, service))
     try:
         started = time.time()
         await service.setup()
+        # only now the input's credit goes out: setup blocks the loop for seconds (imports,
+        # a tokenizer, a checkpoint), so items granted before it would wait on this replica
+        # while it sends no heartbeat and its producer declares it dead
+        if ctx.input is not None:
+            await ctx.input.start()
         # models loaded and warmed up: what a cold start waits for (bench/cold_start)
         log.info("service_ready", setup_s=round(time.time() - started, 3))
         service.metrics.write({"kind": "ready", "start": started, "end": time.time()})

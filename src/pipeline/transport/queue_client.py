@@ -4,6 +4,9 @@ The consumer grants each producer `prefetch` credits and returns one each time t
 application takes an item. Items are de-duplicated by `uid`: a uid already done is
 acknowledged again without surfacing (its first ack may have been lost with a dead
 producer or consumer); a uid still in progress is acknowledged when it finishes.
+
+No credit goes out before `start`: a service starts its input once its setup is done, so
+no item waits on a replica still loading (and silent while it blocks its loop).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class QueueClient:
         self._tasks: list[asyncio.Task[Any]] = []
         self._seq = 0
         self._closed = False
+        self._started = False
         self._flush_scheduled = False
         self._aux: set[asyncio.Task[Any]] = set()
         self.stats = ChannelStats()
@@ -105,6 +109,9 @@ class QueueClient:
     # ------------------------------------------------------------------ public API
 
     async def start(self) -> QueueClient:
+        if self._started:
+            return self
+        self._started = True
         for producer in self._producers:
             await self._grant(producer, self.config.prefetch)
             self._tasks.append(asyncio.create_task(self._recv_loop(producer)))
@@ -116,6 +123,8 @@ class QueueClient:
         if any(p.endpoint == endpoint for p in self._producers):
             return
         producer = self._add(endpoint)
+        if not self._started:
+            return  # `start` grants its credit with the others'
         await self._grant(producer, self.config.prefetch)
         self._tasks.append(asyncio.create_task(self._recv_loop(producer)))
 
@@ -256,9 +265,15 @@ class QueueClient:
 
     async def _liveness_loop(self) -> None:
         while True:
+            slept_at = time.monotonic()
             await asyncio.sleep(self.config.heartbeat_s)
             now = time.monotonic()
+            # past the tick this loop did not run (paused, blocked): what the producers sent
+            # meanwhile waits unread in the sockets, so that time is not their silence
+            late = now - slept_at - self.config.heartbeat_s
             for producer in self._producers:
+                if late > 0:
+                    producer.last_seen = min(now, producer.last_seen + late)
                 silent = now - producer.last_seen
                 if producer.alive and silent > self.config.peer_timeout_s:
                     producer.alive = False

@@ -5,6 +5,10 @@ producer's in-flight table until its consumer acknowledges it; if that consumer 
 (process gone or silent past `peer_timeout_s`) the item goes back to the head of the
 queue for another consumer. `send` waits while `max_pending` items are queued, so a
 stalled consumer backs pressure up to whoever produces.
+
+A consumer declared dead for its silence may only have been paused (SIGSTOP, a blocking
+call): if it speaks again it is taken back with the credit it had, which it still counts as
+granted and never grants again (`_departed`, like the control plane's).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from pipeline.transport.channel import (
 )
 
 _CONTROL_TYPES = frozenset({MsgType.CREDIT, MsgType.ACK, MsgType.HEARTBEAT})
+# consumers declared dead that are kept for their return; the oldest go first
+_DEPARTED_KEPT = 1024
 
 
 @dataclass(eq=False)
@@ -71,6 +77,7 @@ class QueueServer:
         self.endpoint = bind(self._sock, endpoint)
         self._pending: collections.deque[_Item] = collections.deque()
         self._consumers: dict[bytes, _Consumer] = {}
+        self._departed: dict[bytes, _Consumer] = {}  # declared dead; back if they speak
         self._by_uid: dict[str, _Item] = {}
         self._seq = 0
         self._space = asyncio.Condition()
@@ -177,8 +184,7 @@ class QueueServer:
             return
         consumer = self._consumers.get(identity)
         if consumer is None:
-            consumer = self._consumers[identity] = _Consumer(identity=identity)
-            self.log.info("consumer_joined", consumer=identity.decode(errors="replace"))
+            consumer = self._consumers[identity] = self._joined(identity)
         consumer.last_seen = time.monotonic()
         body = msg.body
         if isinstance(body, Credit):
@@ -192,6 +198,21 @@ class QueueServer:
             if body.credits > 0:
                 consumer.credit += body.credits
                 self._wakeup.set()
+
+    def _joined(self, identity: bytes) -> _Consumer:
+        name = identity.decode(errors="replace")
+        consumer = self._departed.pop(identity, None)
+        if consumer is None:
+            self.log.info("consumer_joined", consumer=name)
+            return _Consumer(identity=identity)
+        # it was only silent (paused, or its loop blocked) and still counts that credit as
+        # granted: exactly it while its connection stayed up, never less (items lost with a
+        # dropped connection used credit here only). The items it held went back to the
+        # queue; a copy that comes back to it is answered with fresh credit by its de-dup
+        self.log.warning("consumer_back", consumer=name, credit=consumer.credit)
+        if consumer.credit > 0:
+            self._wakeup.set()
+        return consumer
 
     def _on_ack(self, uid: str) -> None:
         item = self._by_uid.pop(uid, None)
@@ -249,8 +270,12 @@ class QueueServer:
 
     def _declare_dead(self, consumer: _Consumer, reason: str) -> None:
         self._consumers.pop(consumer.identity, None)
+        self._departed[consumer.identity] = consumer
+        if len(self._departed) > _DEPARTED_KEPT:
+            del self._departed[next(iter(self._departed))]
         self.stats.dead_peers += 1
         items = [i for i in consumer.inflight.values() if i.uid in self._by_uid]
+        consumer.inflight = {}
         self.stats.redelivered += len(items)
         for item in reversed(items):
             item.requeued = True
@@ -266,9 +291,15 @@ class QueueServer:
     async def _liveness_loop(self) -> None:
         seq = 0
         while True:
+            slept_at = time.monotonic()
             await asyncio.sleep(self.config.heartbeat_s)
             now = time.monotonic()
+            # past the tick this loop did not run (paused, blocked): what the consumers sent
+            # meanwhile waits unread in the socket, so that time is not their silence
+            late = now - slept_at - self.config.heartbeat_s
             for consumer in list(self._consumers.values()):
+                if late > 0:
+                    consumer.last_seen = min(now, consumer.last_seen + late)
                 if now - consumer.last_seen > self.config.peer_timeout_s:
                     self._declare_dead(consumer, f"silent for {now - consumer.last_seen:.1f}s")
                     continue

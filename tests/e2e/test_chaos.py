@@ -132,3 +132,162 @@ def test_each_role_killed_in_turn_the_run_completes_and_nothing_is_lost(tmp_path
     # each step written once, in order, across both controllers (a learner killed after
     # its checkpoint reports that step again from the checkpoint; it does not skip it)
     assert steps == list(range(STEPS))
+
+
+# ----------------------------------------------------------------------------- schedule
+# (at step, action, argument): kill -9 a role; pause a role (SIGSTOP, seconds, SIGCONT);
+# rogue local peers forging StepDone, Hello and Credit for some seconds; busy processes
+# starving the CPU for some seconds; the learner's latest checkpoint corrupted, then the
+# learner killed (it resumes from the one before)
+SHORT = [
+    (3, "kill", "rollout"),
+    (8, "pause", ("reward", 8.0)),
+    (20, "rogue", 3.0),
+    (28, "corrupt_and_kill", "learner"),
+]
+FULL = [
+    (3, "kill", "rollout"),
+    (6, "pause", ("reward", 8.0)),
+    (9, "rogue", 5.0),
+    (12, "pause", ("rollout", 20.0)),
+    (15, "kill", "reward"),
+    (18, "starve", 10.0),
+    (21, "corrupt_and_kill", "learner"),
+    (25, "pause", ("learner", 20.0)),
+    (28, "kill", "critic"),
+    (31, "pause", ("controller", 8.0)),
+    (34, "kill", "controller"),
+    (37, "pause", ("critic", 60.0)),
+]
+
+
+def _wait_steps(proc: subprocess.Popen, run_dir: Path, at: int, log: Path) -> None:
+    while _steps(run_dir) < at:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def _corrupt_latest(run_dir: Path) -> str:
+    root = run_dir / "checkpoints" / "learner"
+    latest = root / (root / "latest").read_text().strip()
+    (latest / ".metadata").write_bytes(b"\x80\x04not a checkpoint")
+    return latest.name
+
+
+def _act(proc: subprocess.Popen, run_dir: Path, action: str, arg, stats: dict) -> None:
+    from pipeline.config import load_config
+    from tests.e2e.test_forged_peers import _forge
+
+    if action in ("kill", "corrupt_and_kill"):
+        pid = _service_pid(proc.pid, arg)
+        assert pid is not None, f"no {arg} process"
+        if action == "corrupt_and_kill":  # stopped first: no newer save moves `latest` on
+            os.kill(pid, signal.SIGSTOP)
+            stats["corrupted"].append(_corrupt_latest(run_dir))
+        os.kill(pid, signal.SIGKILL)
+        stats["kills"] += 1
+    elif action == "pause":
+        role, seconds = arg
+        pid = _service_pid(proc.pid, role)
+        assert pid is not None, f"no {role} process"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        stats["pauses"] += 1
+    elif action == "rogue":
+        import threading
+
+        config = load_config(
+            "profiles/local-cpu.toml",
+            {"run.runs_dir": str(run_dir.parent), "run.name": run_dir.name},
+        )
+        stop, sent = threading.Event(), [0]
+        rogue = threading.Thread(target=_forge, args=(config, stop, sent), daemon=True)
+        rogue.start()
+        time.sleep(arg)
+        stop.set()
+        rogue.join(10)
+        stats["forged"] += sent[0]
+    elif action == "starve":
+        busy = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 2)
+        ]
+        try:
+            time.sleep(arg)
+        finally:
+            for p in busy:  # by pid
+                p.kill()
+                p.wait()
+        stats["starved_s"] += arg
+
+
+def _chaos(tmp_path: Path, profile: str, steps: int, schedule: list) -> None:
+    runs = tmp_path / "runs"
+    cmd = [
+        sys.executable, "-m", "pipeline.cli", "run",
+        "--profile", str(REPO / profile),
+        "--name", "chaos", "--no-progress",
+        "--run.runs_dir", str(runs),
+        "--controller.steps", str(steps),
+        "--learner.checkpoint_every", "1",
+        "--controller.step_timeout_s", "180",
+        "--learner.trainer.total_steps", str(steps),
+    ]  # fmt: skip
+    log_path = tmp_path / "run.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    run_dir = runs / "chaos"
+    stats = {"kills": 0, "pauses": 0, "forged": 0, "starved_s": 0.0, "corrupted": []}
+    recovery: list[float] = []
+    started = time.monotonic()
+    try:
+        for at, action, arg in schedule:
+            _wait_steps(proc, run_dir, at, log_path)
+            began, step = time.monotonic(), _steps(run_dir)
+            _act(proc, run_dir, action, arg, stats)
+            _wait_steps(proc, run_dir, step + 1, log_path)
+            recovery.append(round(time.monotonic() - began, 1))
+        assert proc.wait(timeout=900) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # the supervisor stops its children by pid
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last = json.loads((run_dir / "metrics/steps.jsonl").read_text().splitlines()[-1])
+    refused = sum(v for k, v in last.items() if "/refused." in k)
+    print(
+        f"\nchaos: {len(schedule)} events in {time.monotonic() - started:.0f} s: kills "
+        f"{stats['kills']}, pauses {stats['pauses']}, forged messages sent "
+        f"{stats['forged']} (handshakes refused {refused:.0f}), CPU starved "
+        f"{stats['starved_s']:.0f} s, corrupted checkpoints {stats['corrupted']}; seconds "
+        f"from each event to the next step {recovery}; released {summary['released']} "
+        f"trained {summary['trained']} dropped {summary['dropped']}"
+    )
+    assert summary["completed"] and summary["steps"] == steps
+    assert summary["duplicates"] == 0 and summary["unknown_trained"] == 0
+    assert summary["in_flight_at_end"] == 0
+    assert summary["trained"] + summary["dropped"] == summary["released"]
+    if stats["forged"]:
+        assert refused >= 1
+    if stats["corrupted"]:
+        learner_log = (run_dir / "logs" / "learner-0.log").read_text()
+        assert '"checkpoint_unreadable"' in learner_log
+
+
+def test_chaos_short_schedule(tmp_path):
+    """make test: a kill, a pause past the peer timeout, rogue peers, a corrupted
+    checkpoint; the run finishes by itself with every sample accounted for."""
+    _chaos(tmp_path, "profiles/local-cpu.toml", 40, SHORT)
+
+
+@pytest.mark.slow
+def test_chaos_full_schedule(tmp_path):
+    _chaos(tmp_path, "profiles/local-cpu-ppo.toml", 60, FULL)

@@ -119,7 +119,10 @@ class ControlServer:
             self.log.warning("send_failed", peer=name, error=str(exc))
 
     async def broadcast(self, body: Any) -> None:
-        for peer in list(self.peers.values()):
+        peers = list(self.peers.values())
+        if isinstance(body, Shutdown):  # a peer paused past the timeout must hear the end too
+            peers += list(self._departed.values())
+        for peer in peers:
             await self.send(peer, body)
 
     def ready_peers(self, service: str | None = None) -> list[Peer]:

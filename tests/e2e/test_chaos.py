@@ -261,8 +261,10 @@ def _chaos(tmp_path: Path, profile: str, steps: int, schedule: list) -> None:
                 proc.wait()
         log.close()
     summary = json.loads((run_dir / "summary.json").read_text())
-    last = json.loads((run_dir / "metrics/steps.jsonl").read_text().splitlines()[-1])
-    refused = sum(v for k, v in last.items() if "/refused." in k)
+    rows = [json.loads(x) for x in (run_dir / "metrics/steps.jsonl").read_text().splitlines()]
+    # counted per process: a restarted controller or learner starts again from 0
+    keys = {k for row in rows for k in row if "/refused." in k}
+    refused = sum(max(row.get(k, 0.0) for row in rows) for k in keys)
     print(
         f"\nchaos: {len(schedule)} events in {time.monotonic() - started:.0f} s: kills "
         f"{stats['kills']}, pauses {stats['pauses']}, forged messages sent "

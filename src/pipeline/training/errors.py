@@ -17,6 +17,16 @@ class CheckpointStateError(TrainingError):
     """A training checkpoint is missing, incomplete, or was written by an incompatible run."""
 
 
+class CheckpointDigestError(CheckpointStateError):
+    """A checkpoint does not match its digest (or has none): refused before any of it is
+    read back, since DCP unpickles its files."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
 class CheckpointError(CheckpointStateError):
     """No checkpoint under a root could be loaded: each one tried, with its reason."""
 

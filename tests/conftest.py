@@ -56,3 +56,15 @@ def procs() -> Iterator[Procs]:
         yield p
     finally:
         p.kill_all()
+
+
+@pytest.fixture
+def side():
+    """A uvloop on its own thread (tests/transport/loop_thread.py), stopped afterwards."""
+    from tests.transport.loop_thread import LoopThread
+
+    thread = LoopThread()
+    try:
+        yield thread
+    finally:
+        thread.stop()

@@ -48,6 +48,17 @@ def _service_pid(run_pid: int, role: str) -> int | None:
     return None
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """A run still going: SIGINT (the supervisor stops its children by pid), else kill."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _steps(run_dir: Path) -> int:
     path = run_dir / "metrics" / "steps.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -94,13 +105,7 @@ def test_each_role_killed_in_turn_the_run_completes_and_nothing_is_lost(tmp_path
             )
         assert proc.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the supervisor stops its children by pid
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(proc)
         log.close()
     summary = json.loads((run_dir / "summary.json").read_text())
     restarts = json.loads((run_dir / "supervisor.json").read_text())["restarts"]
@@ -252,13 +257,7 @@ def _chaos(tmp_path: Path, profile: str, steps: int, schedule: list) -> None:
             recovery.append(round(time.monotonic() - began, 1))
         assert proc.wait(timeout=900) == 0, log_path.read_text()[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the supervisor stops its children by pid
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(proc)
         log.close()
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics/steps.jsonl").read_text().splitlines()]

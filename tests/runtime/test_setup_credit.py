@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
-
-import pytest
 
 from pipeline import codec
 from pipeline.config import config_to_json, load_config
@@ -27,15 +24,6 @@ from tests.transport.test_queue_stall import STALL
 
 REPO = Path(__file__).resolve().parents[2]
 SETUP_S = 2.0  # twice the peer timeout
-
-
-@pytest.fixture
-def side() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    try:
-        yield thread
-    finally:
-        thread.stop()
 
 
 class SlowSetup(Service):

@@ -24,6 +24,7 @@ from pipeline.training.errors import CheckpointError
 from pipeline.transport import security
 
 from ._helpers import make_batch, save_tiny_model, state_of
+from .test_damaged_checkpoint import _two_checkpoints
 
 CONFIG = TrainerConfig(device="cpu", lr=1e-3)
 SECRET = "ab" * 32
@@ -54,18 +55,6 @@ def run_secret() -> Iterator[None]:
         yield
     finally:
         security.configure(before.keys_dir, before.allow_insecure, before.run_secret)
-
-
-def _two_checkpoints(model_dir: Path, root: Path) -> dict[str, torch.Tensor]:
-    """Steps 1 and 2 saved; the weights at step 1."""
-    trainer = CriticTrainer(model_dir, CONFIG, AlgorithmConfig())
-    batch, _ = trainer.compute_advantages(make_batch(seed=0, advantages=False))
-    trainer.train_step(batch)
-    trainer.save_checkpoint(root)
-    at_one = state_of(trainer.model)
-    trainer.train_step(batch)
-    trainer.save_checkpoint(root)
-    return at_one
 
 
 def _resumes_at_one(model_dir: Path, root: Path, at_one: dict[str, torch.Tensor]) -> None:

@@ -9,26 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Iterator
-
-import pytest
 
 from pipeline.transport import ChannelConfig, QueueClient, QueueServer
-from tests.transport.loop_thread import LoopThread, wait_until
+from tests.transport.loop_thread import wait_until
 from tests.transport.test_queue_inprocess import prompt
 
 # heartbeats every 0.1 s, dead after 1 s of silence; a stall of 2 s crosses that surely
 STALL = ChannelConfig(prefetch=4, max_pending=16, heartbeat_s=0.1, peer_timeout_s=1.0)
 STALL_S = 2.0
-
-
-@pytest.fixture
-def side() -> Iterator[LoopThread]:
-    thread = LoopThread()
-    try:
-        yield thread
-    finally:
-        thread.stop()
 
 
 async def take(client: QueueClient, n: int, timeout: float) -> list[str]:

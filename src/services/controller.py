@@ -456,8 +456,12 @@ class Controller:
             "incarnations": self.state.incarnations,
             **self.accounting.summary(),
         }
+        told = await control.broadcast(
+            Shutdown(reason="run finished" if finished.is_set() else "stopped")
+        )
+        # the supervisor waits for these to save; any other service has nothing to save
+        summary["told_to_stop"] = sorted(set(told))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        await control.broadcast(Shutdown(reason="run finished" if finished.is_set() else "stopped"))
         await asyncio.sleep(0.2)
         for task in [*tasks, *waiters]:
             task.cancel()

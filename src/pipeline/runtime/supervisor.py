@@ -135,6 +135,7 @@ class Supervisor:
         run's end; a trainer saves its last checkpoint first), up to `timeout_s`."""
         self._stopping = True  # an exit now is the end of the run, not a crash
         deadline = time.monotonic() + timeout_s
+        self._stop_untold()
         waiting = self._live()
         while (live := self._live()) and time.monotonic() < deadline and not interrupted():
             time.sleep(0.2)
@@ -144,6 +145,19 @@ class Supervisor:
                 self._record_exit(child, child.proc.returncode)
         if live:
             self.log.warning("services_still_saving", services=[c.name for c in live])
+
+    def _stop_untold(self) -> None:
+        """SIGTERM the services the controller did not tell to stop: restarted as the run
+        ended, they never joined it and have nothing to save (they would wait for a
+        controller's answer while the supervisor waited for their save)."""
+        try:
+            told = json.loads((self.run_dir / "summary.json").read_text())["told_to_stop"]
+        except (OSError, ValueError, KeyError):
+            return
+        for child in self._live():
+            if child.role != "controller" and child.name not in told:
+                self.log.info("service_not_in_run", service=child.name, pid=child.proc.pid)
+                self._signal(child, signal.SIGTERM)
 
     def stop_all(self) -> None:
         """SIGTERM every live child, SIGKILL what is left after the deadline. Idempotent."""

@@ -118,12 +118,14 @@ class ControlServer:
         except zmq.ZMQError as exc:
             self.log.warning("send_failed", peer=name, error=str(exc))
 
-    async def broadcast(self, body: Any) -> None:
+    async def broadcast(self, body: Any) -> list[str]:
+        """Send `body` to every peer; returns their names."""
         peers = list(self.peers.values())
         if isinstance(body, Shutdown):  # a peer paused past the timeout must hear the end too
             peers += list(self._departed.values())
         for peer in peers:
             await self.send(peer, body)
+        return [peer.name for peer in peers]
 
     def ready_peers(self, service: str | None = None) -> list[Peer]:
         return [

@@ -23,7 +23,7 @@ from pipeline.config import load_config
 from pipeline.messages import Hello, StepDone
 from pipeline.runtime import layout
 from pipeline.step_reports import StepReports
-from pipeline.transport import ControlClient, QueueClient
+from pipeline.transport import ControlClient, QueueClient, security
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, PER_STEP, KILL_AT = 6, 4, 2
@@ -114,12 +114,16 @@ async def _fake_pipeline(procs, runs: Path, logs: Path) -> tuple[Counter[str], s
 async def test_a_killed_controller_resumes_from_its_journal_and_nothing_is_lost(tmp_path, procs):
     runs, logs = tmp_path / "runs", tmp_path / "logs"
     logs.mkdir()
+    # the stand-ins are the run's own services: they hold its secret
+    security.configure(None, run_secret=security.run_secret(runs / "ctl"))
     try:
         surfaced, run_id = await _fake_pipeline(procs, runs, logs)
     except BaseException:
         for log in sorted(logs.iterdir()):
             sys.stderr.write(f"--- {log.name}\n{log.read_text()[-3000:]}\n")
         raise
+    finally:
+        security.configure(None)
     run_dir = runs / "ctl"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == STEPS

@@ -10,7 +10,7 @@ import secrets
 import socket
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -153,6 +153,21 @@ def connect(sock: Any, endpoint: str) -> None:
     """Connect; a non-loopback endpoint goes through CURVE when the run has keys."""
     secure_connect(sock, endpoint, loopback=is_loopback(endpoint))
     sock.connect(endpoint)
+
+
+async def liveness_tick(interval_s: float, peers: Callable[[], Iterable[Any]]) -> float:
+    """Sleep one heartbeat interval and return the time. Whatever this loop ran past its tick
+    (its process paused, its loop blocked) is added to each peer's `last_seen`, capped at
+    now: what the peers sent meanwhile waits unread in the sockets, so a late loop never
+    takes its own lateness for their silence."""
+    slept_at = time.monotonic()
+    await asyncio.sleep(interval_s)
+    now = time.monotonic()
+    late = now - slept_at - interval_s
+    if late > 0:
+        for peer in peers():
+            peer.last_seen = min(now, peer.last_seen + late)
+    return now
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:

@@ -31,6 +31,7 @@ from pipeline.transport.channel import (
     cancel_and_wait,
     connect,
     guarded,
+    liveness_tick,
     make_async_socket,
     new_identity,
 )
@@ -200,8 +201,7 @@ class ControlServer:
 
     async def _liveness_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.heartbeat_s)
-            now = time.monotonic()
+            now = await liveness_tick(self.config.heartbeat_s, self.peers.values)
             for identity, peer in list(self.peers.items()):
                 if now - peer.last_seen > self.config.peer_timeout_s:
                     del self.peers[identity]

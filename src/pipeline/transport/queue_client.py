@@ -29,6 +29,7 @@ from pipeline.transport.channel import (
     ChannelStats,
     cancel_and_wait,
     connect,
+    liveness_tick,
     make_async_socket,
     new_identity,
 )
@@ -265,15 +266,8 @@ class QueueClient:
 
     async def _liveness_loop(self) -> None:
         while True:
-            slept_at = time.monotonic()
-            await asyncio.sleep(self.config.heartbeat_s)
-            now = time.monotonic()
-            # past the tick this loop did not run (paused, blocked): what the producers sent
-            # meanwhile waits unread in the sockets, so that time is not their silence
-            late = now - slept_at - self.config.heartbeat_s
+            now = await liveness_tick(self.config.heartbeat_s, lambda: self._producers)
             for producer in self._producers:
-                if late > 0:
-                    producer.last_seen = min(now, producer.last_seen + late)
                 silent = now - producer.last_seen
                 if producer.alive and silent > self.config.peer_timeout_s:
                     producer.alive = False

@@ -31,6 +31,7 @@ from pipeline.transport.channel import (
     ChannelStats,
     bind,
     cancel_and_wait,
+    liveness_tick,
     make_async_socket,
     new_identity,
 )
@@ -291,15 +292,8 @@ class QueueServer:
     async def _liveness_loop(self) -> None:
         seq = 0
         while True:
-            slept_at = time.monotonic()
-            await asyncio.sleep(self.config.heartbeat_s)
-            now = time.monotonic()
-            # past the tick this loop did not run (paused, blocked): what the consumers sent
-            # meanwhile waits unread in the socket, so that time is not their silence
-            late = now - slept_at - self.config.heartbeat_s
+            now = await liveness_tick(self.config.heartbeat_s, self._consumers.values)
             for consumer in list(self._consumers.values()):
-                if late > 0:
-                    consumer.last_seen = min(now, consumer.last_seen + late)
                 if now - consumer.last_seen > self.config.peer_timeout_s:
                     self._declare_dead(consumer, f"silent for {now - consumer.last_seen:.1f}s")
                     continue

@@ -98,6 +98,35 @@ def test_graphed_trunk_matches_the_trunk_in_value_and_gradient_and_replays():
             err = (a - b).abs().max().item() / max(1e-3, a.abs().max().item())
             assert err < 2e-2, (step, err)
     assert runner.replays == 3 and len(runner.shapes) == 1 and runner.fallbacks == 0
-    with torch.no_grad():  # an inference forward runs the trunk itself
+    runner.no_grad = False
+    with torch.no_grad():  # no forward graphs asked for: the trunk runs itself
         graphed.hidden_states_packed(ids, positions, cu, 64)
+    assert runner.replays == 3 and runner.forward_shapes == []
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_no_grad_forwards_replay_their_own_graphs_and_match_the_trunk():
+    """The reference's and the proximal policy's forwards: one forward-only graph per shape,
+    each output its own tensor (a later replay does not overwrite an earlier output)."""
+    torch.manual_seed(0)
+    plain = CausalLM(CONFIG).to("cuda", torch.bfloat16).eval()
+    graphed = CausalLM(CONFIG).to("cuda", torch.bfloat16).eval()
+    graphed.load_state_dict(plain.state_dict())
+    runner = TrunkGraphs(graphed.model, train=False)
+    graphed.packed_runner = runner
+    _, positions, cu = _packed_inputs("cuda")
+    g = torch.Generator().manual_seed(1)
+    outs = []
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(0, CONFIG.vocab_size, (1, 128), generator=g).to("cuda")
+            want = plain.hidden_states_packed(ids, positions, cu, 64)
+            outs.append((want, graphed.hidden_states_packed(ids, positions, cu, 64)))
+    for want, got in outs:
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert outs[0][1].data_ptr() != outs[1][1].data_ptr()
+    assert runner.replays == 3 and len(runner.forward_shapes) == 1 and runner.shapes == []
+    graphed.train()  # a trunk that does not train: no training graphs
+    graphed.hidden_states_packed(ids, positions, cu, 64)
     assert runner.replays == 3

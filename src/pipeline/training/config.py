@@ -143,6 +143,9 @@ class TrainerConfig:
     # pack_bucket_tokens > 0 and compile_mode "default" (inductor's own graphs cannot nest).
     # Varlen micro-batches only: uniform ones (see uniform_attention) run the compiled trunk
     trunk_graphs: bool = False
+    # with trunk_graphs: the no-grad packed forwards too (the reference's, the proximal
+    # policy's), one forward-only graph per bucketed shape in a pool of their own
+    trunk_graphs_no_grad: bool = True
     # RoPE by one Triton pass over the q/k/v projection output each way (models/
     # rope_kernel.py) instead of the compiled torch formula; CUDA half precision only (the
     # formula runs elsewhere), models without q/k norms

@@ -148,10 +148,16 @@ def place_model(
             regions = model.model.layers if config.compile_scope == "blocks" else [model.model]
             for region in regions:
                 region.compile(**config.compile_kwargs())
-        if config.trunk_graphs and trainable and info.device.type == "cuda":
+        if (
+            config.trunk_graphs
+            and (trainable or config.trunk_graphs_no_grad)
+            and (info.device.type == "cuda")
+        ):
             from pipeline.training.trunk_graphs import TrunkGraphs
 
-            model.packed_runner = TrunkGraphs(model.model)
+            model.packed_runner = TrunkGraphs(
+                model.model, train=trainable, no_grad=config.trunk_graphs_no_grad
+            )
     return model
 
 

@@ -61,35 +61,71 @@ class _PackedTrunk(nn.Module):
         return self.trunk(input_ids, positions, spec)
 
 
-class TrunkGraphs:
-    """Graphed training forward + backward of a packed trunk, one pair per shape."""
+class _ForwardGraph:
+    """One no-grad forward of the packed trunk captured for one shape: static inputs copied
+    in, one replay, the output copied out (the next replay overwrites it)."""
 
-    def __init__(self, trunk: nn.Module, *, max_graphs: int = 16) -> None:
+    def __init__(self, module: nn.Module, sample: tuple[Tensor, ...], pool: Any) -> None:
+        self.inputs = tuple(x.clone() for x in sample)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiled code and allocator settle outside the capture
+                module(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = module(*self.inputs)
+
+    def __call__(self, *inputs: Tensor) -> Tensor:
+        for static, x in zip(self.inputs, inputs, strict=True):
+            static.copy_(x)
+        self.graph.replay()
+        return self.output.clone()
+
+
+class TrunkGraphs:
+    """Graphed packed trunk, per shape: the training forward + backward pair (`train`),
+    and the forward alone under no_grad (`no_grad`)."""
+
+    def __init__(
+        self, trunk: nn.Module, *, max_graphs: int = 16, train: bool = True, no_grad: bool = True
+    ) -> None:
         self.trunk = trunk
         self.max_graphs = max_graphs
+        self.train = train
+        self.no_grad = no_grad
         self.params = list(trunk.parameters())
         self._graphs: dict[tuple[Any, ...], tuple[nn.Module, list[int]]] = {}
+        self._forwards: dict[tuple[Any, ...], tuple[_ForwardGraph, list[int]]] = {}
         self._pool: Any = None
+        # no-grad replays may come between a training forward and its backward (another
+        # thread's reference forward): their memory never overlaps the training graphs'
+        self._forward_pool: Any = None
         self._full_warned = False
         self.replays = 0  # graphed calls
-        self.fallbacks = 0  # training calls the trunk ran itself (graphs full, weights moved)
+        self.fallbacks = 0  # calls the trunk ran itself (graphs full, weights moved)
 
     @property
     def shapes(self) -> list[tuple[Any, ...]]:
         """(input shape, cu_seqlens entries, max_seqlen, grouped) of each captured pair."""
         return [key[:4] for key in self._graphs]
 
+    @property
+    def forward_shapes(self) -> list[tuple[Any, ...]]:
+        """The same of each captured no-grad forward."""
+        return [key[:4] for key in self._forwards]
+
     def __call__(self, input_ids: Tensor, positions: Tensor, spec: AttentionSpec) -> Tensor | None:
         """The trunk's hidden states (1, T, hidden) from the graphs, or None where they do
         not apply (the caller then runs the trunk itself)."""
         cu = spec.cu_seqlens
-        if (
-            cu is None
-            or not input_ids.is_cuda
-            or not torch.is_grad_enabled()
-            or not self.trunk.training
-            or torch.cuda.is_current_stream_capturing()
-        ):
+        if cu is None or not input_ids.is_cuda or torch.cuda.is_current_stream_capturing():
+            return None
+        grad = torch.is_grad_enabled()
+        if grad and not (self.train and self.trunk.training):
+            return None
+        if not grad and not self.no_grad:
             return None
         key = (
             tuple(input_ids.shape),
@@ -98,21 +134,42 @@ class TrunkGraphs:
             spec.grouped,
             self.params[0].dtype,
         )
-        entry = self._graphs.get(key)
+        graphs: dict[tuple[Any, ...], Any] = self._graphs if grad else self._forwards
+        entry = graphs.get(key)
         if entry is None:
-            if len(self._graphs) >= self.max_graphs:
+            if len(graphs) >= self.max_graphs:
                 if not self._full_warned:
                     self._full_warned = True
-                    _log.warning("trunk_graphs_full", graphs=len(self._graphs), shape=key[:4])
+                    _log.warning("trunk_graphs_full", graphs=len(graphs), shape=key[:4])
                 self.fallbacks += 1
                 return None
-            entry = self._capture(key, input_ids, positions, cu, spec)
+            capture = self._capture if grad else self._capture_forward
+            entry = capture(key, input_ids, positions, cu, spec)
         graphed, addresses = entry
         if not data_ptrs_equal(self.params, addresses):  # not the capture's compute copies
             self.fallbacks += 1
             return None
         self.replays += 1
+        if not grad:
+            return graphed(input_ids, positions, cu)
         return graphed.forward(input_ids, positions, cu)  # the graphed forward, no hooks
+
+    def _capture_forward(
+        self,
+        key: tuple[Any, ...],
+        input_ids: Tensor,
+        positions: Tensor,
+        cu: Tensor,
+        spec: AttentionSpec,
+    ) -> tuple[_ForwardGraph, list[int]]:
+        if self._forward_pool is None:
+            self._forward_pool = torch.cuda.graph_pool_handle()
+        module = _PackedTrunk(self.trunk, spec.max_seqlen, spec.grouped)
+        graph = _ForwardGraph(module, (input_ids, positions, cu), self._forward_pool)
+        entry = (graph, [p.data_ptr() for p in self.params])
+        self._forwards[key] = entry
+        _log.info("trunk_forward_graph_captured", shape=key[:4], graphs=len(self._forwards))
+        return entry
 
     def _capture(
         self,

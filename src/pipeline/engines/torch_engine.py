@@ -58,6 +58,7 @@ from pipeline.models import CausalLM, KVCache, load_model
 from pipeline.models.attention import eager_attend
 from pipeline.models.decode_attention import decode_kernel_supported
 from pipeline.models.fused import fuse_projections
+from pipeline.models.tensor_parallel import local_heads
 from pipeline.training.compile_limits import allow_recompiles
 
 _log = get_logger("engines.torch")
@@ -158,14 +159,17 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         fuse_projections(model)  # q/k/v and gate/up as one GEMM each (parameters now views)
         self.device = model.lm_head.weight.device
         self.vocab_size = model.config.vocab_size
-        self.cache = KVCache.for_model(
-            model.config,
-            num_slots=cfg.max_batch,
-            max_seq_len=cfg.max_seq_len,
+        heads, kv_heads = local_heads(model)  # this rank's, under tensor parallelism
+        self.cache = KVCache(
+            model.config.num_hidden_layers,
+            cfg.max_batch,
+            cfg.max_seq_len,
+            kv_heads,
+            model.config.head_dim,
             dtype=model.lm_head.weight.dtype,
             device=self.device,
         )
-        supported = decode_kernel_supported(self.cache.k, model.config.num_attention_heads)
+        supported = decode_kernel_supported(self.cache.k, heads)
         if cfg.decode_kernel and not supported:
             raise ConfigError(
                 "decode_kernel needs Triton and a CUDA half-precision KV cache with a power-of-2 "

@@ -1,11 +1,14 @@
 """One TP rank of a tensor-parallel engine replica (a real process; gloo on CPU), driven by
 tests/engines/test_tensor_parallel.py: generate, take a weight update as this rank's shards,
-generate again. The leader writes the outputs; every rank checks its shards."""
+generate again (a follower's shards come late: its step waits for them). The leader writes
+the outputs; every rank checks its shards."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -40,16 +43,29 @@ def main() -> None:
     )
     mine = {k: shard(k, v, args.rank, args.size) for k, v in update.items()}
     result: dict[str, object] = {}
+    flag = Path(args.init).with_name("leader-parked")
     if args.rank == 0:
         for name, requests in phases():
-            if name == "after_update":  # the followers' shards are parked since the start
+            if name == "after_update":
                 engine.update_weights(mine.items(), version=1)
+                flag.touch()  # the follower parks its shards only after this
             outs = engine.generate(requests)
             result[name] = [[o.output_ids, o.logprobs, o.token_versions] for o in outs]
         engine.close()
     else:
-        engine.update_weights(mine.items(), version=1)  # applied when the leader says
+
+        def park_late() -> None:
+            # as a receiver thread whose shards come after the leader's: the follower's
+            # step waits for them (it must not apply version 0 again or skip the update)
+            while not flag.exists():
+                time.sleep(0.01)
+            time.sleep(0.3)
+            engine.update_weights(mine.items(), version=1)
+
+        parker = threading.Thread(target=park_late)
+        parker.start()
         engine.follow()
+        parker.join()
     params = dict(engine.model.state_dict())
     result["shards_equal"] = all(torch.equal(params[k], v) for k, v in mine.items())
     result["version"] = engine.version

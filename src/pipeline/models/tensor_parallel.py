@@ -57,10 +57,10 @@ class TPGroup:
 class RowParallelLinear(nn.Linear):
     """y = all_reduce(x_local @ W_local^T) + b: W holds this rank's input columns."""
 
-    tp: TPGroup
+    tp_group: TPGroup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp_group.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -68,23 +68,23 @@ class VocabParallelEmbedding(nn.Embedding):
     """Rows [start, start + num_embeddings) of the full table; ids outside look up zeros,
     and the ranks' lookups are summed."""
 
-    tp: TPGroup
+    tp_group: TPGroup
     start: int
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         inside = (local >= 0) & (local < self.num_embeddings)
         out = F.embedding(torch.where(inside, local, 0), self.weight)
-        return self.tp.all_reduce(out * inside[..., None].to(out.dtype))
+        return self.tp_group.all_reduce(out * inside[..., None].to(out.dtype))
 
 
 class VocabParallelHead(nn.Linear):
     """Logits of this rank's vocabulary rows, gathered into the full vocabulary."""
 
-    tp: TPGroup
+    tp_group: TPGroup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last(F.linear(x, self.weight, self.bias))
+        return self.tp_group.all_gather_last(F.linear(x, self.weight, self.bias))
 
 
 def _divisible(what: str, n: int, size: int) -> None:
@@ -104,7 +104,7 @@ def _cut(module: nn.Module, prefix: str, tp: TPGroup) -> None:
 
 def _retype(module: nn.Module, cls: type, tp: TPGroup) -> None:
     module.__class__ = cls
-    module.tp = tp  # type: ignore[assignment]
+    module.tp_group = tp  # type: ignore[assignment]
 
 
 @torch.no_grad()

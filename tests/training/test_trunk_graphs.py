@@ -130,3 +130,72 @@ def test_no_grad_forwards_replay_their_own_graphs_and_match_the_trunk():
     graphed.train()  # a trunk that does not train: no training graphs
     graphed.hidden_states_packed(ids, positions, cu, 64)
     assert runner.replays == 3
+
+
+def _train_pass(model: CausalLM, ids, positions, cu, *, uniform: bool = False) -> None:
+    model.zero_grad(set_to_none=True)
+    hidden = model.hidden_states_packed(ids, positions, cu, 64, uniform)
+    hidden.float().square().mean().backward()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_shape_is_captured_after_the_trunk_trained_itself():
+    """A uniform micro-batch (rows attention) trains on the trunk itself, outside the graphs;
+    a later new varlen shape must still capture (the learner's warm-up meets both)."""
+    torch.manual_seed(0)
+    model = CausalLM(CONFIG).to("cuda", torch.bfloat16)
+    model.uniform_attention = True
+    runner = TrunkGraphs(model.model)
+    model.packed_runner = runner
+    _, positions, cu = _packed_inputs("cuda")
+    ids = torch.randint(0, CONFIG.vocab_size, (1, 128), device="cuda")
+    rows_pos = torch.arange(64, device="cuda").repeat(2)[None]
+    rows_cu = torch.tensor([0, 64, 128], device="cuda")
+    _train_pass(model, ids, rows_pos, rows_cu, uniform=True)  # the trunk itself
+    assert runner.replays == 0
+    _train_pass(model, ids, positions, cu)  # captured now
+    _train_pass(model, ids, positions, cu)
+    torch.cuda.synchronize()
+    assert runner.replays == 2 and len(runner.shapes) == 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_training_shape_is_captured_after_a_no_grad_forward_graph():
+    """The proximal policy's no-grad forward is captured on the policy's own trunk before
+    its first training micro-batch."""
+    torch.manual_seed(0)
+    model = CausalLM(CONFIG).to("cuda", torch.bfloat16)
+    runner = TrunkGraphs(model.model)
+    model.packed_runner = runner
+    ids, positions, cu = _packed_inputs("cuda")
+    with torch.no_grad():
+        model.hidden_states_packed(ids, positions, cu, 64)
+    _train_pass(model, ids, positions, cu)
+    _train_pass(model, ids, positions, cu)
+    torch.cuda.synchronize()
+    assert len(runner.forward_shapes) == 1 and len(runner.shapes) == 1
+    assert runner.replays == 3
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_learner_warm_up_of_the_h200_profile_captures_every_training_shape(tmp_path):
+    """The learner's warm-up as `pipeline run` does it, on the H200 profile's settings and
+    step sizes (a small model): on an H200 the KL-PPO cold start's learner failed its second
+    batch's first training capture (cudaErrorStreamCaptureImplicit) and crash-looped."""
+    from pipeline.bench.e2e import shape_model
+    from pipeline.config.profile import load_config, parse_override_args
+    from pipeline.trainer_setup import policy_config, warm_up_batches
+    from pipeline.training import PolicyTrainer
+
+    overrides = shape_model("tiny", tmp_path / "model", "cuda")
+    config = load_config("profiles/h200-single.toml", parse_override_args(overrides))
+    trainer = PolicyTrainer(str(tmp_path / "model"), policy_config(config), config.algorithm)
+    runner = trainer.model.packed_runner
+    assert isinstance(runner, TrunkGraphs)
+    trainer.warm_up(warm_up_batches(config, trainer.model.config.vocab_size))
+    torch.cuda.synchronize()
+    assert runner.capture_failures == 0 and runner.train
+    assert len(runner.shapes) >= 2 and runner.replays > 0

@@ -25,13 +25,14 @@ trunk as it is (`None` back to the caller).
 Known: the parameters' gradient accumulators are created during the capture, on the side
 stream make_graphed_callables captures on, and live on with the captured autograd graph;
 autograd warns once that their stream differs and syncs the two streams in each backward.
-Not yet run end to end on a GPU: the one attempt (a cold compile cache, 300 s step timeout)
-trained no step, for reasons its logs did not show, so the H200 profile keeps
-`compile_mode = "reduce-overhead"`.
+An accumulator of the default stream kept alive from an earlier step cannot be synced with
+inside a capture (seen in the KL-PPO warm-up on an H200): a failed training capture turns
+the training graphs off for the run and the trunk trains itself.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -105,6 +106,7 @@ class TrunkGraphs:
         self._full_warned = False
         self.replays = 0  # graphed calls
         self.fallbacks = 0  # calls the trunk ran itself (graphs full, weights moved)
+        self.capture_failures = 0
 
     @property
     def shapes(self) -> list[tuple[Any, ...]]:
@@ -145,6 +147,8 @@ class TrunkGraphs:
                 return None
             capture = self._capture if grad else self._capture_forward
             entry = capture(key, input_ids, positions, cu, spec)
+            if entry is None:
+                return None
         graphed, addresses = entry
         if not data_ptrs_equal(self.params, addresses):  # not the capture's compute copies
             self.fallbacks += 1
@@ -178,15 +182,39 @@ class TrunkGraphs:
         positions: Tensor,
         cu: Tensor,
         spec: AttentionSpec,
-    ) -> tuple[nn.Module, list[int]]:
+    ) -> tuple[nn.Module, list[int]] | None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        # an earlier autograd graph held by a reference cycle may keep AccumulateGrad nodes
+        # of the default stream alive, with which a backward capture cannot sync
+        gc.collect()
         module = _PackedTrunk(self.trunk, spec.max_seqlen, spec.grouped)
         sample = (input_ids.clone(), positions.clone(), cu.clone())  # the static inputs
-        graphed = torch.cuda.make_graphed_callables(
-            module, sample, num_warmup_iters=2, pool=self._pool
-        )
+        stream = torch.cuda.current_stream()
+        try:
+            graphed = torch.cuda.make_graphed_callables(
+                module, sample, num_warmup_iters=2, pool=self._pool
+            )
+        except RuntimeError as e:  # torch.AcceleratorError: the capture is ended, not sticky
+            return self._give_up(key, stream, e)
         entry = (graphed, [p.data_ptr() for p in self.params])
         self._graphs[key] = entry
         _log.info("trunk_graph_captured", shape=key[:4], graphs=len(self._graphs))
         return entry
+
+    def _give_up(self, key: tuple[Any, ...], stream: Any, error: Exception) -> None:
+        """A failed training capture: the trunk trains itself from now on (the run goes on,
+        slower), said once in the log. torch.cuda.graph leaves the capture stream current
+        when its exit raises."""
+        torch.cuda.set_stream(stream)
+        torch.cuda.synchronize()
+        self.train = False
+        self.capture_failures += 1
+        self.fallbacks += 1
+        _log.warning(
+            "trunk_graphs_off",
+            shape=key[:4],
+            error=str(error).splitlines()[0],
+            why="a training capture failed; the trunk runs itself",
+        )
+        return None

@@ -274,7 +274,8 @@ class WeightDone(_Wire):
 
 
 class RankOp(enum.IntEnum):
-    """What rank 0 of a sharded trainer service tells its other ranks to run next."""
+    """What rank 0 of a multi-rank service (a sharded trainer, a TP engine replica) tells
+    its other ranks to run next."""
 
     CONTEXT = 1  # the run this service joined (once, after rank 0's handshake)
     SETUP = 2  # build the sharded model (and resume from checkpoint `step` when >= 0)
@@ -284,6 +285,7 @@ class RankOp(enum.IntEnum):
     ANNOTATE = 6  # critic: values and advantages of `groups` (and train when a step is full)
     CLOSE = 7  # the last save and export
     STOP = 8  # leave: rank 0 is done
+    ENGINE = 9  # rollout: build this rank's shard of the engine and follow its steps
 
 
 class RankCommand(msgspec.Struct, array_like=True, kw_only=True, gc=False, omit_defaults=True):

@@ -190,40 +190,68 @@ def prompts_in_flight(config: Any) -> int:
     return 8
 
 
-async def start_engine(ctx: Any) -> EngineRunner:
-    """Build the configured engine on the run's model directory."""
+def engine_device(config: Any) -> str:
+    return "cuda" if config.pools[config.services["rollout"].pool].kind == "cuda" else "cpu"
+
+
+def tp_group(ctx: Any) -> Any:
+    """This process's place in its TP engine replica (None: a one-process replica)."""
+    if ctx.ranks is None:
+        return None
+    from pipeline.models.tensor_parallel import TPGroup
+
+    return TPGroup(ctx.ranks.rank, ctx.ranks.world, control=ctx.ranks.group)
+
+
+def build_engine(ctx: Any) -> Any:
+    """The configured engine on the run's model directory (blocking): on a rank of a TP
+    replica, that rank's TPEngine over its shard of the model."""
     import torch
 
     from pipeline.engines import make_engine
     from pipeline.tasks import model_dir
 
     config = ctx.config
-    directory = model_dir(config, ctx.run_dir)
-    from pipeline.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(directory)
-    device = "cuda" if config.pools[config.services["rollout"].pool].kind == "cuda" else "cpu"
-    dtype = getattr(torch, config.model.dtype)
-    engine = await asyncio.to_thread(  # off the loop: loading and graph capture take a while
-        make_engine,
+    device = engine_device(config)
+    options: dict[str, Any] = {}
+    if config.rollout.engine == "torch" and device == "cuda":
+        options = {
+            "use_cuda_graphs": config.rollout.cuda_graphs,
+            "compile": config.rollout.compile,
+            "overlap": config.rollout.overlap,
+            "decode_kernel": None if config.rollout.decode_kernel else False,  # None: auto
+        }
+    if config.rollout.engine == "torch" and ctx.ranks is not None:
+        options["tp"] = tp_group(ctx)
+    if config.rollout.engine == "vllm" and config.services["rollout"].tp > 1:
+        options["tensor_parallel_size"] = config.services["rollout"].tp
+    return make_engine(
         config.rollout.engine,
-        directory,
+        model_dir(config, ctx.run_dir),
         device=device,
-        dtype=dtype,
+        dtype=getattr(torch, config.model.dtype),
         max_batch=config.rollout.max_batch,
         max_seq_len=config.task.max_prompt_tokens + config.rollout.max_new_tokens + 1,
         seed=config.run.seed + ctx.replica,
-        **(
-            {
-                "use_cuda_graphs": config.rollout.cuda_graphs,
-                "compile": config.rollout.compile,
-                "overlap": config.rollout.overlap,
-                "decode_kernel": None if config.rollout.decode_kernel else False,  # None: auto
-            }
-            if config.rollout.engine == "torch" and device == "cuda"
-            else {}
-        ),
+        **options,
     )
+
+
+async def start_engine(ctx: Any) -> EngineRunner:
+    """Build the configured engine and drive it from its own thread (warmed up on a GPU).
+    A TP replica's leader tells its other ranks to build theirs first (they follow)."""
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.tasks import model_dir
+
+    config = ctx.config
+    if ctx.ranks is not None:
+        from pipeline.messages import RankCommand, RankOp
+
+        await asyncio.to_thread(ctx.ranks.send, RankCommand(op=RankOp.ENGINE))
+    tokenizer = load_tokenizer(model_dir(config, ctx.run_dir))
+    device = engine_device(config)
+    # off the loop: loading and graph capture take a while
+    engine = await asyncio.to_thread(build_engine, ctx)
     runner = EngineRunner(
         engine, tokenizer, asyncio.get_running_loop(), ignore_eos=config.rollout.ignore_eos
     )
@@ -239,3 +267,34 @@ async def start_engine(ctx: Any) -> EngineRunner:
 
         runner.log.info("warmed_up", seconds=round(seconds, 2), **compile_counts())
     return runner
+
+
+class EngineFollower:
+    """A TP replica's rank other than 0 (`RolloutService.follower`): on ENGINE it builds
+    its shard of the engine and a weight receiver for its shards, then steps in lockstep
+    with the leader until the leader closes the engine."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.log = get_logger("engine_follower")
+
+    def execute(self, command: Any) -> None:
+        from pipeline.messages import RankOp
+        from pipeline.weight_link import start_receiver
+
+        if command.op != RankOp.ENGINE:
+            raise RuntimeError(f"a TP engine rank has no part in {RankOp(command.op).name}")
+        engine = build_engine(self.ctx)
+        ranks = self.ctx.ranks
+
+        def apply(tensors: Mapping[str, Any], version: int) -> Future[int]:
+            return engine.update_weights(tensors.items(), version, checked=True)
+
+        receiver = start_receiver(
+            self.ctx, engine.model, apply, engine.version, tp_rank=ranks.rank, tp_size=ranks.world
+        )
+        self.log.info("engine_following", rank=ranks.rank, tp=ranks.world)
+        try:
+            engine.follow()
+        finally:
+            receiver.stop()

@@ -113,7 +113,8 @@ class LearnerWeights:
         self.hub = hub
         self.publisher = publisher
         self.thread = thread
-        self.replicas = ctx.config.replicas("rollout")
+        # one receiver per engine rank (a TP replica registers each of its ranks)
+        self.replicas = ctx.config.replicas("rollout") * ctx.config.ranks_per_replica("rollout")
         self.version = ctx.policy_version  # the version the engines should serve
         self._lock = asyncio.Lock()  # one user of the hub's socket at a time
         self._failures = 0  # failed syncs in a row (each retry and step sync counts)
@@ -198,21 +199,43 @@ class LearnerWeights:
         self.hub.close()
 
 
-def start_receiver(ctx: Any, runner: Any) -> Any:
-    """The engine's side: a receiver thread that hands each complete update to the engine
-    and acknowledges it once the engine serves it."""
+def start_receiver(
+    ctx: Any, model: Any, apply: Any, version: int, *, tp_rank: int = 0, tp_size: int = 1
+) -> Any:
+    """An engine rank's side: a receiver thread that hands each complete update to
+    `apply(tensors, version)` (the engine's, resolved once it serves them) and acknowledges
+    it then. A TP rank registers as `rollout-R.tpK` and keeps its own shards."""
     from pipeline.weights import WeightReceiver
 
+    name = f"rollout-{ctx.replica}" if tp_size == 1 else f"rollout-{ctx.replica}.tp{tp_rank}"
     receiver = WeightReceiver(
-        f"rollout-{ctx.replica}",
+        name,
         hub_endpoint(ctx.config),
-        runner.engine.model,
-        runner.update_weights,
+        model,
+        apply,
         replica=ctx.replica,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         options=group_options(ctx.config, "rollout"),
         timeouts=publish_config(ctx.config).timeouts,
         run_id=ctx.run_id,
-        version=runner.version,
+        version=version,
     )
     receiver.start()
     return receiver
+
+
+def runner_receiver(ctx: Any, runner: Any) -> Any:
+    """The receiver of the engine an EngineRunner drives (on a TP replica's leader, rank
+    0's shards): it validates against the engine's own parameters."""
+    engine = runner.engine
+    params = engine.weight_params() if hasattr(engine, "weight_params") else engine.model
+    ranks = ctx.ranks
+    return start_receiver(
+        ctx,
+        params,
+        runner.update_weights,
+        runner.version,
+        tp_rank=0,
+        tp_size=1 if ranks is None else ranks.world,
+    )

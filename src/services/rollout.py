@@ -26,11 +26,18 @@ class RolloutService(Service):
     async def setup(self) -> None:
         self.concurrency = prompts_in_flight(self.config)
         from pipeline.rollout_worker import start_engine
-        from pipeline.weight_link import start_receiver
+        from pipeline.weight_link import runner_receiver
 
         self.engine: Any = await start_engine(self.ctx)
-        self.receiver: Any = start_receiver(self.ctx, self.engine)
+        self.receiver: Any = runner_receiver(self.ctx, self.engine)
         self.recompiles.mark()
+
+    @classmethod
+    def follower(cls, ctx: Any) -> Any:
+        """A TP engine replica's other ranks: their shards of the engine, in lockstep."""
+        from pipeline.rollout_worker import EngineFollower
+
+        return EngineFollower(ctx)
 
     async def generate(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:
         """The prompt's `n_samples` responses."""

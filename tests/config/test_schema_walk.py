@@ -21,11 +21,7 @@ SRC = REPO / "src"
 # reads inside these functions check a value, they do not use it
 _CHECKS = ("validate", "__post_init__", "_validate", "check_")
 # keys that only validation reads, each with why it is accepted
-ALLOWED_UNREAD = {
-    # refused above 1 at load (PlacementConfig.check_role) until an engine splits a model
-    # across devices; 1 is what every engine does
-    "services.*.tp",
-}
+ALLOWED_UNREAD: set[str] = set()
 
 
 def schema_keys(cls: type, prefix: str = "") -> list[tuple[str, str]]:
@@ -89,7 +85,9 @@ def _load(profile: str, **overrides: str) -> PipelineConfig:
 @pytest.mark.parametrize(
     ("profile", "overrides", "fix"),
     [
-        ("local-cpu.toml", {"services.rollout.tp": "2"}, "no tensor parallelism yet; use tp = 1"),
+        ("local-cpu.toml", {"services.reward.tp": "2"}, "only the rollout's engines split"),
+        ("local-cpu.toml", {"services.rollout.tp": "2", "rollout.engine": "hf"}, "the hf engine"),
+        ("h200-single.toml", {"services.rollout.tp": "2"}, "devices_per_replica = 2"),
         ("local-cpu.toml", {"services.reward.fsdp_size": "2"}, "raise services.reward.replicas"),
         (
             "local-cpu-ppo.toml",

@@ -81,9 +81,10 @@ def test_one_workload_per_role(profile, render):
         else:
             assert "nvidia.com/gpu" not in limits
             assert "nvidia.com/gpu.product" not in selector
-        if role in ("learner", "critic") and placement.fsdp_size > 1:
+        if config.ranks_per_replica(role) > 1:  # a sharded trainer, a TP engine
+            nproc = placement.fsdp_size if role in ("learner", "critic") else placement.tp
             assert container["command"][0] == "torchrun"
-            assert f"--nproc-per-node={placement.fsdp_size}" in container["command"]
+            assert f"--nproc-per-node={nproc}" in container["command"]
             assert container["command"][container["command"].index("-m") + 1] == (
                 f"services.{role}"
             )

@@ -93,8 +93,11 @@ def test_gpus_follow_the_placement(profile, render):
         # the same number of GPUs as the profile pins, inside the node's allocation
         assert len(pinned) == len(config.devices(srun.role, srun.replica))
         assert all(0 <= d < gpus for d in pinned)
-        if srun.role in ("learner", "critic") and placement.fsdp_size > 1:
-            assert srun.nproc == placement.fsdp_size
+        if config.ranks_per_replica(srun.role) > 1:  # a sharded trainer, a TP engine
+            assert srun.nproc == config.ranks_per_replica(srun.role)
+            assert srun.nproc == (
+                placement.fsdp_size if srun.role in ("learner", "critic") else placement.tp
+            )
             assert srun.option("--rdzv-endpoint").startswith(f"$HOST_{srun.group}:")
         else:
             assert srun.nproc == 1

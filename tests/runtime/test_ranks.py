@@ -45,8 +45,26 @@ def test_world_size_must_be_the_profiles_fsdp_size():
         RankMismatch, match=r"started 3 ranks .*fsdp_size = 2; .*learner.fsdp_size 3$"
     ):
         ranks.check_world(sharded, "learner", 3)
-    with pytest.raises(RankMismatch, match="rollout does not shard"):
+    with pytest.raises(RankMismatch, match="a rollout replica is one process here"):
         ranks.check_world(sharded, "rollout", 2)
+    with pytest.raises(RankMismatch, match="a reward replica is one process here"):
+        ranks.check_world(sharded, "reward", 2)
+
+
+def test_a_tp_engine_replica_is_tp_ranks_of_the_built_in_engine():
+    tp = _config(**{"services.rollout.tp": "2"})
+    ranks.check_world(tp, "rollout", 2)
+    assert launcher_args(tp, "rollout")[:3] == [
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+    ]
+    with pytest.raises(RankMismatch, match=r"services.rollout.tp = 2 needs 2 ranks"):
+        ranks.check_world(tp, "rollout", 1)
+    # vLLM starts its own TP workers: one process
+    vllm = _config(**{"services.rollout.tp": "2", "rollout.engine": "vllm"})
+    assert vllm.ranks_per_replica("rollout") == 1
+    assert launcher_args(vllm, "rollout") == ["services.rollout"]
 
 
 def test_a_missing_world_size_means_one_process(monkeypatch):

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from pipeline.rollout_worker import prompts_in_flight, start_engine
-from pipeline.weight_link import start_receiver
+from pipeline.weight_link import runner_receiver
 from services.rollout import RolloutService
 
 ENV = "REFUSING_ROLLOUT"
@@ -35,7 +35,7 @@ class RefusingRollout(RolloutService):
             return load(tensors, version)
 
         self.engine.update_weights = update_weights
-        self.receiver: Any = start_receiver(self.ctx, self.engine)
+        self.receiver: Any = runner_receiver(self.ctx, self.engine)
         self.recompiles.mark()
 
 

@@ -102,7 +102,8 @@ class PlacementConfig:
     devices_per_replica: int = 0
     # ranks of one FSDP2 data-parallel trainer (learner, critic), started under torchrun
     fsdp_size: int = 1
-    # tensor-parallel ranks of one engine replica (only 1 today: refused above it)
+    # tensor-parallel ranks of one engine replica (rollout only): the built-in engine runs
+    # tp processes under torchrun, one device each; vLLM gets tensor_parallel_size
     tp: int = 1
     # under CUDA MPS (run.gpu_sharing), the percentage of the GPU's SMs this role's
     # kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 0: no limit
@@ -127,18 +128,17 @@ class PlacementConfig:
         )
 
     def check_role(self, role: str) -> None:
-        """What this role's service can honour: only trainers shard, and no engine splits a
-        model across devices yet."""
+        """What this role's service can honour: only trainers shard, only engines split a
+        model by tensor parallelism."""
         if self.fsdp_size > 1 and role not in TRAINER_ROLES:
             raise ConfigError(
                 f"services.{role}.fsdp_size = {self.fsdp_size}: only {list(TRAINER_ROLES)} "
                 f"shard with FSDP; set it to 1 and raise services.{role}.replicas instead"
             )
-        if self.tp > 1:
+        if self.tp > 1 and role != "rollout":
             raise ConfigError(
-                f"services.{role}.tp = {self.tp}: the built-in engine has no tensor "
-                "parallelism yet; use tp = 1 (one device per engine replica) and more "
-                "replicas (the vLLM backend is not given tp either)"
+                f"services.{role}.tp = {self.tp}: only the rollout's engines split a model "
+                "by tensor parallelism; set it to 1 (trainers shard with fsdp_size)"
             )
 
 
@@ -452,8 +452,39 @@ class PipelineConfig:
             raise ConfigError("group baselines need rollout.n_samples >= 2")
         for role, placement in self.services.items():
             placement.check_role(role)
+        self._validate_tp()
         self._validate_reference()
         self._validate_trainers()
+
+    def _validate_tp(self) -> None:
+        placement = self.services.get("rollout")
+        if placement is None or placement.tp == 1:
+            return
+        tp, engine = placement.tp, self.rollout.engine
+        if engine == "hf":
+            raise ConfigError(
+                f"services.rollout.tp = {tp}: the hf engine runs on one device; use "
+                "rollout.engine = 'torch' or 'vllm', or tp = 1"
+            )
+        if self.pools[placement.pool].kind == "cuda" and placement.devices_per_replica != tp:
+            raise ConfigError(
+                f"services.rollout.tp = {tp} needs one GPU per TP rank: set "
+                f"services.rollout.devices_per_replica = {tp} (it is "
+                f"{placement.devices_per_replica})"
+            )
+
+    def ranks_per_replica(self, role: str) -> int:
+        """Processes of one replica of `role`, started together under torchrun: a sharded
+        trainer's fsdp_size, a tensor-parallel built-in engine's tp; else 1 (vLLM starts
+        its own TP workers)."""
+        placement = self.services.get(role)
+        if placement is None:
+            return 1
+        if role in TRAINER_ROLES:
+            return placement.fsdp_size
+        if role == "rollout" and self.rollout.engine == "torch":
+            return placement.tp
+        return 1
 
     def reference_host(self) -> str | None:
         """Where the reference log-probs are computed ("learner", "critic" or "service"),

@@ -4,7 +4,7 @@ A pool is one host in the run's layout (`pools.X.host` gives every socket bound 
 so each pool used by a service becomes one node: one Slurm het-job component, one node
 label in Kubernetes. The controller's pool comes first (het group 0); the others follow
 in role order. Every replica of every role is one launch; a trainer with fsdp_size > 1
-is one torchrun launch of fsdp_size processes.
+(a built-in engine with tp > 1) is one torchrun launch of that many processes.
 """
 
 from __future__ import annotations
@@ -21,8 +21,17 @@ from pipeline.errors import ConfigError
 
 # the controller port a deployment uses when the profile leaves it at 0 (pick a free one)
 DEFAULT_PORT = 29400
-# torchrun's rendezvous: controller_port + RDZV_OFFSET + index in TRAINER_ROLES
+# torchrun's rendezvous: controller_port + RDZV_OFFSET + index in TRAINER_ROLES; a TP
+# engine replica's after them (one port per replica: replicas may share a host)
 RDZV_OFFSET = 800
+
+
+def rdzv_offset(role: str, replica: int) -> int:
+    if role in TRAINER_ROLES:
+        return RDZV_OFFSET + TRAINER_ROLES.index(role)
+    return RDZV_OFFSET + len(TRAINER_ROLES) + replica
+
+
 # the learner's weight hub: controller_port + 900 (see weight_link.hub_endpoint)
 HUB_OFFSET = 900
 
@@ -133,7 +142,7 @@ def _launches(config: PipelineConfig, port: int) -> list[Launch]:
     out = []
     for role in deployed_roles(config):
         placement = config.services[role]
-        sharded = role in TRAINER_ROLES and placement.fsdp_size > 1
+        nproc = config.ranks_per_replica(role)
         for replica in range(placement.replicas):
             out.append(
                 Launch(
@@ -141,8 +150,8 @@ def _launches(config: PipelineConfig, port: int) -> list[Launch]:
                     replica=replica,
                     pool=placement.pool,
                     devices=tuple(config.devices(role, replica)),
-                    nproc=placement.fsdp_size if sharded else 1,
-                    rdzv_port=port + RDZV_OFFSET + TRAINER_ROLES.index(role) if sharded else 0,
+                    nproc=nproc,
+                    rdzv_port=port + rdzv_offset(role, replica) if nproc > 1 else 0,
                 )
             )
     return out

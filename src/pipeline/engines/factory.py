@@ -28,7 +28,7 @@ def make_engine(
 
     `options` go to the backend's config: TorchEngineConfig (max_prefill_tokens,
     drain_on_update, kv_on_update, use_cuda_graphs, compile, overlap,
-    decode_kernel), HFEngineConfig (static_cache, compile,
+    decode_kernel; `tp`, a TPGroup, makes it this rank's TPEngine), HFEngineConfig (static_cache, compile,
     attn_implementation) or VLLMEngineConfig (gpu_memory_utilization, enforce_eager,
     enable_prefix_caching, llm_kwargs). Backends are imported on demand so that choosing
     one never needs the others' packages.
@@ -36,10 +36,21 @@ def make_engine(
     if kind == "torch":
         from pipeline.engines.torch_engine import TorchEngine, TorchEngineConfig
 
+        tp = options.pop("tp", None)
         config = TorchEngineConfig(
             max_batch=max_batch, max_seq_len=max_seq_len, seed=seed, **options
         )
-        return TorchEngine.from_pretrained(model_path, device=device, dtype=dtype, config=config)
+        if tp is None or tp.size == 1:
+            return TorchEngine.from_pretrained(
+                model_path, device=device, dtype=dtype, config=config
+            )
+        from pipeline.engines.tp_engine import TPEngine
+        from pipeline.models import load_model
+        from pipeline.models.tensor_parallel import shard_model
+
+        model = load_model(model_path, dtype=dtype, device=device)
+        shard_model(model, tp)  # before the engine fuses projections and sizes its cache
+        return TPEngine(TorchEngine(model, config), rank=tp.rank, control=tp.control)
     if kind == "hf":
         from pipeline.engines.hf_engine import HFEngine, HFEngineConfig
 

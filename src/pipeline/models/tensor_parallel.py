@@ -40,6 +40,9 @@ class TPGroup:
     rank: int
     size: int
     group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+    # the CPU (gloo) group the leader's step plans go over (engines/tp_engine.py); None: the
+    # default group
+    control: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(x, "sum", self._group)

@@ -67,34 +67,36 @@ def launched_ranks() -> int:
 
 
 def check_world(config: PipelineConfig, role: str, world: int) -> None:
-    """The ranks launched must be the profile's `services.ROLE.fsdp_size`."""
-    if role not in TRAINER_ROLES:
-        if world > 1:
-            raise RankMismatch(
-                f"{role} does not shard across ranks but was started with WORLD_SIZE={world}; "
-                f"start one process per replica (`pipeline service {role}`), not torchrun"
-            )
-        return
-    placement = config.services.get(role)
-    want = placement.fsdp_size if placement is not None else 1
+    """The ranks launched must be the profile's: `services.ROLE.fsdp_size` for a trainer,
+    `services.rollout.tp` for the built-in engine."""
+    want = config.ranks_per_replica(role)
     if world == want:
         return
+    key = "fsdp_size" if role in TRAINER_ROLES else "tp"
+    if want == 1 and role not in TRAINER_ROLES:
+        raise RankMismatch(
+            f"a {role} replica is one process here but was started with WORLD_SIZE={world}; "
+            f"start one process per replica (`pipeline service {role}`), not torchrun"
+        )
     if world == 1:
         raise RankMismatch(
-            f"services.{role}.fsdp_size = {want} needs {want} ranks: start the {role} with "
+            f"services.{role}.{key} = {want} needs {want} ranks: start the {role} with "
             f"`torchrun --nproc-per-node {want} -m services.{role} ...` (`pipeline run` and "
-            f"`pipeline deploy render` do), or set --services.{role}.fsdp_size 1"
+            f"`pipeline deploy render` do), or set --services.{role}.{key} 1"
         )
     raise RankMismatch(
-        f"torchrun started {world} ranks of the {role} but services.{role}.fsdp_size = "
+        f"torchrun started {world} ranks of the {role} but services.{role}.{key} = "
         f"{want}; launch {want} ranks in all (--nproc-per-node x --nnodes) or set "
-        f"--services.{role}.fsdp_size {world}"
+        f"--services.{role}.{key} {world}"
     )
 
 
-def trainer_device(config: PipelineConfig, role: str) -> str:
-    trainer = config.learner.trainer if role == "learner" else config.critic.trainer
-    return trainer.device
+def rank_device(config: PipelineConfig, role: str) -> str:
+    """The device kind a rank of `role` computes on (cuda means cuda:LOCAL_RANK)."""
+    if role in TRAINER_ROLES:
+        trainer = config.learner.trainer if role == "learner" else config.critic.trainer
+        return trainer.device
+    return "cuda" if config.pools[config.services[role].pool].kind == "cuda" else "cpu"
 
 
 def join(config: PipelineConfig, role: str, replica: int) -> RankLink | None:
@@ -112,7 +114,7 @@ def join(config: PipelineConfig, role: str, replica: int) -> RankLink | None:
     configure_logging()
     rank = int(os.environ.get("RANK", "0"))
     bind_process(service=role, replica=replica, rank=rank)
-    info = init_distributed(device=trainer_device(config, role))
+    info = init_distributed(device=rank_device(config, role))
     if info.device.type == "cuda":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if torch.cuda.device_count() < local_world:

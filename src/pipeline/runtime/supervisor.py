@@ -6,9 +6,10 @@ the deadline), always by process id. A controller killed by a signal is restarte
 the others: it resumes the run from its journal and the services rejoin it. One that
 exits with a code of its own (done, stalled, or a bug it would only repeat) ends the run.
 
-A trainer role with `services.ROLE.fsdp_size = N > 1` is one child too: `torchrun
---standalone --nproc-per-node N` (its own rendezvous on a free local port) over the
-role's service module, whose ranks form one sharded service (`runtime/ranks.py`). Signals
+A replica of several ranks (a trainer with `services.ROLE.fsdp_size = N > 1`, a built-in
+engine with `services.rollout.tp = N > 1`) is one child too: `torchrun --standalone
+--nproc-per-node N` (its own rendezvous on a free local port) over the role's service
+module, whose ranks form one service (`runtime/ranks.py`). Signals
 go to torchrun, which passes them on to its ranks; a restart starts every rank again.
 """
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline.config import PipelineConfig
-from pipeline.config.schema import ROLES, TRAINER_ROLES
+from pipeline.config.schema import ROLES
 from pipeline.errors import EXIT_CONFIG
 from pipeline.log import get_logger
 from pipeline.runtime import layout
@@ -108,7 +109,7 @@ class Supervisor:
         if self.bytecode is not None:
             self.bytecode.apply(env)
         self.sharing.apply(env, child.role)
-        if trainer_ranks(self.config, child.role) > 1:  # torchrun asks for it, else warns
+        if self.config.ranks_per_replica(child.role) > 1:  # torchrun asks for it, else warns
             env.setdefault("OMP_NUM_THREADS", str(max(1, self.config.run.torch_threads)))
         child.proc = subprocess.Popen(
             self._argv(child),
@@ -326,18 +327,12 @@ class Supervisor:
         return code
 
 
-def trainer_ranks(config: PipelineConfig, role: str) -> int:
-    """Processes per replica of `role`: fsdp_size for a trainer, else 1."""
-    if role not in TRAINER_ROLES or role not in config.services:
-        return 1
-    return config.services[role].fsdp_size
-
-
 def launcher_args(config: PipelineConfig, role: str) -> list[str]:
     """What follows `python -m` to start one replica of `role` on this host: its service
-    module, under torchrun when it is a trainer sharded over fsdp_size ranks."""
+    module, under torchrun when a replica is several ranks (a trainer sharded over
+    fsdp_size, a built-in engine over tp)."""
     module = config.service_module(role)
-    ranks = trainer_ranks(config, role)
+    ranks = config.ranks_per_replica(role)
     if ranks <= 1:
         return [module]
     return [

@@ -1,0 +1,86 @@
+"""`services.rollout.tp = 2`: the rollout replica is one torchrun of two engine ranks (gloo
+on CPU), each with its shard of the model and its own weight receiver, stepping together."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(runs: Path, name: str, *extra: str, steps: int) -> Path:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "run",
+            "--name",
+            name,
+            "--no-progress",
+            "--profile",
+            str(REPO / "profiles/local-cpu.toml"),
+            "--run.runs_dir",
+            str(runs),
+            "--controller.steps",
+            str(steps),
+            *extra,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return runs / name
+
+
+def _events(log: Path, event: str) -> list[dict]:
+    out = []
+    for line in log.read_text().splitlines():
+        if f'"{event}"' in line and line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def _rewards(run: Path) -> list[float]:
+    lines = (run / "metrics/steps.jsonl").read_text().splitlines()
+    return [json.loads(x)["reward_mean"] for x in lines]
+
+
+def test_a_tp2_rollout_replica_serves_a_run_with_every_rank_on_every_version(tmp_path):
+    run = _run(tmp_path, "tp2", "--services.rollout.tp", "2", steps=3)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] and summary["duplicates"] == 0 and summary["dropped"] == 0
+    log = run / "logs/rollout-0.log"
+    joined = sorted(e["rank"] for e in _events(log, "rank_joined"))
+    assert joined == [0, 1]
+    # each rank's receiver applied each version the learner published, and the follower
+    # left when the leader let it go
+    applied: dict[str, set[int]] = {}
+    for e in _events(log, "weight_sync_applied"):
+        applied.setdefault(e["engine"], set()).add(e["version"])
+    assert sorted(applied) == ["rollout-0.tp0", "rollout-0.tp1"]
+    assert applied["rollout-0.tp0"] == applied["rollout-0.tp1"] == set(range(4))
+    assert [e["rank"] for e in _events(log, "released")] == [1]
+
+
+@pytest.mark.slow
+def test_a_tp2_run_learns_the_toy_task_like_tp1(tmp_path):
+    common = ("--controller.max_staleness", "2")
+    one = _rewards(_run(tmp_path, "tp1", *common, steps=80))
+    two = _rewards(_run(tmp_path, "tp2", *common, "--services.rollout.tp", "2", steps=80))
+    gains = {}
+    for name, rewards in (("tp1", one), ("tp2", two)):
+        first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-20:])
+        # as tests/e2e/test_learning.py: 80 of the profile's 500 steps, a clear rise
+        assert last > first + 0.05, (name, first, last)
+        gains[name] = last
+    # other sampling noise (the logits are summed in another order), the same learning
+    assert gains["tp2"] > gains["tp1"] - 0.15, gains

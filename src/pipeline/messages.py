@@ -77,6 +77,9 @@ class Hello(_Wire):
     endpoints: dict[str, str] = {}
     # "weights" group rank this replica asks for (engines), -1 if none
     devices: list[int] = []
+    # a weight receiver of a tensor-parallel engine rank: its rank and the replica's size
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 class ConfigMsg(_Wire):
@@ -257,6 +260,11 @@ class WeightMeta(_Wire):
     bucket_sizes: list[int]
     transport: str  # "gloo" | "nccl" | "cuda_ipc"
     verify: bool = False
+    # resharded: the entries are TP rank tp_rank's shards of a tp_size split (1: full
+    # tensors), and each bucket comes by a send from learner rank 0 to this engine alone
+    tp_rank: int = 0
+    tp_size: int = 1
+    p2p: bool = False
 
 
 class WeightDone(_Wire):

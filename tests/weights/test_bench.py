@@ -30,3 +30,17 @@ def test_bench_tiny_cpu_prints_json_figures(tmp_path):
         assert fig["config"]["shape"] == "tiny" and fig["config"]["transport"] == "gloo"
     assert json.loads(out_file.read_text()) == lines
     assert done.stdout.splitlines()[1].startswith("figure")  # the human table comes first
+
+
+def test_bench_with_a_tp2_replica_halves_the_bytes_each_engine_rank_receives():
+    cmd = [sys.executable, "-m", "pipeline.bench.weight_sync", "--shape", "tiny"]
+    cmd += ["--device", "cpu", "--repeats", "1", "--tp", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    fig = lines[0]
+    assert list(fig) == list(KEYS) and fig["figure"] == "bytes_per_engine_rank"
+    assert fig["baseline"] == "whole_model_engine" and fig["config"]["tp"] == 2
+    # every tensor split in two but the replicated norms (and bucket alignment)
+    assert 0.5 <= fig["ratio"] <= 0.51, fig
+    assert fig["value"] >= fig["bound"]

@@ -106,6 +106,12 @@ def test_roundtrip_bitwise_with_tp_and_split_tensors(model, hub, bucket_bytes, v
         for e, (r, t) in zip(engines, [(0, 1), (0, 2), (1, 2)], strict=True):
             assert e.applied[-1] == version and e.receiver.version == version
             assert_engine_equal(_expected(model), e.serving, r, t)
+        # resharded: a TP rank receives its shards only (the replicated norms come whole)
+        full, half = (e.receiver.received_bytes for e in engines[:2])
+        assert full == publisher.plan.total_bytes
+        assert engines[2].receiver.received_bytes == half
+        shards = sum(t.numel() * t.element_size() for t in engines[1].serving.values())
+        assert shards <= half < full * 0.6, (shards, half, full)
 
 
 def test_bad_metadata_is_refused_with_every_name_and_old_version_keeps_serving(model, hub):

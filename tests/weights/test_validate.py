@@ -112,3 +112,45 @@ def test_a_receiver_reuses_the_layout_of_an_unchanged_meta_and_checks_any_change
         assert receiver._validate(verified).by_bucket is not receiver._validate(verified).by_bucket
     finally:
         receiver.close()
+
+
+def _resharded(tp_rank: int, tp_size: int) -> WeightMeta:
+    """What the publisher sends TP rank `tp_rank` of `tp_size`: its own shards."""
+    from pipeline.weights.reshard import shard_plan
+
+    full = BucketPlan.build(
+        [TensorSpec(n, s, BF16) for n, s in full_shapes().items()], bucket_bytes=2048
+    )
+    plan = shard_plan(full, tp_rank, tp_size)
+    return WeightMeta(
+        version=3,
+        entries=plan.entries(),
+        bucket_sizes=list(plan.bucket_sizes),
+        transport="gloo",
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        p2p=True,
+    )
+
+
+def test_resharded_metadata_carries_the_engines_own_shards():
+    layout = validate_meta(_resharded(1, 2), shard_specs(1, 2), tp_rank=1, tp_size=2)
+    assert layout.resharded and layout.p2p
+    assert layout.full["lm_head.weight"] == ((48, 31), BF16)  # the shard, not the full tensor
+    assert layout.total_bytes < 0.6 * sum(_meta().bucket_sizes)
+
+
+def test_resharded_metadata_for_another_rank_a_wrong_slice_or_a_missing_shard_is_refused():
+    with pytest.raises(MetadataRejected) as info:  # rank 0's shards sent to rank 1
+        validate_meta(_resharded(0, 2), shard_specs(1, 2), tp_rank=1, tp_size=2)
+    assert info.value.problems["layout"] == ["shards of TP rank 0 of 2; this engine is rank 1 of 2"]
+    with pytest.raises(MetadataRejected) as info:  # a 2-way split sent to a 4-way rank
+        validate_meta(_resharded(1, 2), shard_specs(1, 4), tp_rank=1, tp_size=4)
+    assert "rank 1 of 2; this engine is rank 1 of 4" in info.value.problems["layout"][0]
+    assert "lm_head.weight: [48, 31] != engine shard [24, 31]" in info.value.problems["shape"]
+    meta = _resharded(0, 2)
+    gone = "model.layers.1.self_attn.k_proj.weight"
+    meta = msgspec.structs.replace(meta, entries=[e for e in meta.entries if e.name != gone])
+    with pytest.raises(MetadataRejected) as info:
+        validate_meta(meta, shard_specs(0, 2), tp_rank=0, tp_size=2)
+    assert info.value.problems["missing"] == [gone]

@@ -224,22 +224,35 @@ def _learner(rank: int, args: argparse.Namespace, endpoint: str, port: int, queu
         dist.destroy_process_group()
 
 
-def _engine(index: int, args: argparse.Namespace, endpoint: str) -> None:
+def _tp_place(index: int, args: argparse.Namespace) -> tuple[int, int]:
+    """With --tp T: engine 0 holds the whole model (the baseline), engines 1..T are the
+    ranks of one TP replica."""
+    if args.tp <= 1 or index == 0:
+        return 0, 1
+    return index - 1, args.tp
+
+
+def _engine(index: int, args: argparse.Namespace, endpoint: str, queue: Any) -> None:
     from pipeline.weights import WeightReceiver
     from pipeline.weights.group import store_client
+    from pipeline.weights.reshard import shard_shape
     from pipeline.weights.validate import ParamSpec
 
     _, engine_devices, _ = _devices(args)
     device = engine_devices[index]
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    specs = {n: ParamSpec(s, ROLLOUT) for n, s in param_shapes(SHAPES[args.shape])}
+    tp_rank, tp_size = _tp_place(index, args)
+    shapes = param_shapes(SHAPES[args.shape])
+    specs = {n: ParamSpec(shard_shape(n, s, tp_rank, tp_size), ROLLOUT) for n, s in shapes}
     receiver = WeightReceiver(
         f"engine-{index}",
         endpoint,
         specs,
         lambda tensors, version: None,  # the staging tensors are the landed update
         replica=index,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         device=device,
         timeouts=_timeouts(),
     )
@@ -247,6 +260,7 @@ def _engine(index: int, args: argparse.Namespace, endpoint: str) -> None:
     last = args.repeats + 1
     if not receiver.run_until(lambda: receiver.version == last, 3600):
         raise SystemExit(f"engine-{index}: publishes did not complete")
+    queue.put({"engine": index, "tp_size": tp_size, "bytes": receiver.received_bytes})
     group = receiver.group
     if group is None:  # CUDA IPC: the baseline runs on a bench-only gloo group
         assert receiver.assign is not None
@@ -254,8 +268,9 @@ def _engine(index: int, args: argparse.Namespace, endpoint: str) -> None:
         store = store_client(a.store_host, a.store_port, 120)
         members = ["learner-0", *[f"engine-{i}" for i in range(args.engines)]]
         group = _baseline_group(store, 1 + index, members, device)
-    for _ in range(args.repeats + 1):
-        for t in receiver.staging.tensors.values():
+    full = [torch.empty(s, dtype=ROLLOUT, device=device) for _, s in shapes]
+    for _ in range(args.repeats + 1):  # the naive path sends everyone full tensors
+        for t in full:
             group.broadcast(_bytes(t), 0).wait()
         _sync(device)
     if group is not receiver.group:
@@ -281,6 +296,7 @@ def figures(result: dict[str, Any], args: argparse.Namespace, device: str) -> li
         "publish_runs_s": [round(x, 6) for x in result.get("publish_runs_s", [])],
         "bound_kind": result["bound_kind"],
         "publish_phases_s": result.get("phases_s", {}),
+        "tp": args.tp,
     }
     common = {
         "bench": "weight_sync",
@@ -291,7 +307,25 @@ def figures(result: dict[str, Any], args: argparse.Namespace, device: str) -> li
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     pub, base, bound = result["publish_s"], result["baseline_s"], result["bound_s"]
+    out = []
+    if args.tp > 1:  # resharded buckets: what a TP rank receives against a whole engine
+        got = {r["engine"]: r for r in result["received"]}
+        whole = got[0]["bytes"]
+        rank = max(r["bytes"] for r in result["received"] if r["tp_size"] > 1)
+        out.append(
+            common
+            | {
+                "figure": "bytes_per_engine_rank",
+                "value": float(rank),
+                "baseline": "whole_model_engine",
+                "baseline_value": float(whole),
+                "ratio": round(rank / whole, 4),
+                "bound": round(whole / args.tp, 1),  # an even split of every tensor
+                "fraction_of_bound": round(whole / args.tp / rank, 4),
+            }
+        )
     return [
+        *out,
         {
             "figure": "publish_seconds",
             "value": round(pub, 6),
@@ -343,13 +377,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     _devices(args)  # refuse impossible layouts before starting anything
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    received = ctx.Queue()
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
     port = free_tcp_port()
     procs = [
         ctx.Process(target=_learner, args=(r, args, endpoint, port, queue), daemon=True)
         for r in range(args.learners)
     ] + [
-        ctx.Process(target=_engine, args=(i, args, endpoint), daemon=True)
+        ctx.Process(target=_engine, args=(i, args, endpoint, received), daemon=True)
         for i in range(args.engines)
     ]
     for p in procs:
@@ -368,6 +403,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     ) from None
         for p in procs:
             p.join(timeout=60)
+        result["received"] = [received.get(timeout=10) for _ in range(args.engines)]
     finally:
         for p in procs:
             if p.is_alive():
@@ -387,10 +423,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bucket-mb", type=float, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--striped", action="store_true")
+    ap.add_argument(
+        "--tp", type=int, default=1, help="engines 1..T: one TP replica (engine 0 whole)"
+    )
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args(argv)
     if args.shape is None:
         args.shape = "tiny" if args.device == "cpu" else "7b"
+    if args.tp > 1:
+        args.engines = args.tp + 1
     if args.bucket_mb is None:
         args.bucket_mb = 2.0 if args.shape == "tiny" else 1024.0
     os.environ.setdefault("PIPELINE_LOG_LEVEL", "warning")

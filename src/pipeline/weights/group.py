@@ -233,6 +233,13 @@ class WeightGroup:
         """Async broadcast from group rank `src`; returns the backend's Work."""
         return _broadcast(self.backend, tensor, src, self.spec.timeout_s)
 
+    def send(self, tensor: torch.Tensor, dst: int) -> Any:
+        """Async send to group rank `dst` alone (a resharded bucket); the backend's Work."""
+        return self.backend.send([tensor], dst, 0)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> Any:
+        return self.backend.recv([tensor], src, 0)
+
     def close(self) -> None:
         """Drop the backend: peers blocked on us fail at once instead of at their timeout."""
         backend, self.backend = self.backend, None

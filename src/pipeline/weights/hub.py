@@ -34,6 +34,8 @@ class Member:
     pid: int
     host: str
     since: float = field(default_factory=time.monotonic)
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 # a reply handler: (member name, message) -> True when it is that member's answer
@@ -62,6 +64,11 @@ class WeightHub:
 
     # ------------------------------------------------------------------ registry
 
+    def layout(self, name: str) -> tuple[int, int]:
+        """(tp_rank, tp_size) of a member's shards: (0, 1) for a whole-model engine."""
+        member = self.members[name]
+        return member.tp_rank, member.tp_size
+
     def names(self) -> list[str]:
         return [m.name for m in sorted(self.members.values(), key=lambda m: (m.replica, m.name))]
 
@@ -72,7 +79,13 @@ class WeightHub:
         if old is not None and old.identity == rcv.identity:
             return None  # a repeated hello from the same incarnation
         self.members[hello.service] = Member(
-            hello.service, rcv.identity, hello.replica, hello.pid, hello.host
+            hello.service,
+            rcv.identity,
+            hello.replica,
+            hello.pid,
+            hello.host,
+            tp_rank=hello.tp_rank,
+            tp_size=hello.tp_size,
         )
         self.changed = True
         log.info("engine_registered", engine=hello.service, pid=hello.pid, host=hello.host)

@@ -38,6 +38,7 @@ from pipeline.weights.group import WeightGroup, store_client
 from pipeline.weights.hub import WeightHub
 from pipeline.weights.learner_comm import LearnerComm
 from pipeline.weights.plan import BucketPlan, TensorSpec
+from pipeline.weights.reshard import pack_shards, shard_plan
 from pipeline.weights.rounds import done_round, failure_text, meta_round, parse_failure
 from pipeline.weights.wire import GroupAssign, IpcBuffers
 
@@ -103,6 +104,11 @@ class WeightPublisher:
         self._ipc: IpcSlots | None = None
         self._dirty = True
         self._chunk_index = {c: i for i, c in enumerate(self.plan.chunks)}
+        self._full = {s.name: s for s in specs}
+        # (tp_rank, tp_size) -> that layout's plan; members' layouts when resharding
+        self._shard_plans: dict[tuple[int, int], BucketPlan] = {}
+        self.layouts: dict[str, tuple[int, int]] = {}
+        self._shard_slots: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     def _named(self) -> dict[str, torch.Tensor]:
         if isinstance(self._source, nn.Module):
@@ -133,6 +139,7 @@ class WeightPublisher:
             return SyncReport(version, [], self.generation, self.transport, 0, 0, 0.0)
         if rebuild:
             self._rebuild(generation)
+        self.layouts = self._resharding()
         phases["group"] = time.perf_counter() - t0
         checksums = self._checksums() if self.config.verify else None
         t = time.perf_counter()
@@ -153,12 +160,15 @@ class WeightPublisher:
         if outcome:
             self._fail(outcome)
         seconds = time.perf_counter() - t0
+        sent = self.plan.total_bytes
+        if self.layouts:  # what the engine that receives most got
+            sent = max(self._shard_plan(*lay).total_bytes for lay in self.layouts.values())
         report = SyncReport(
             version,
             list(self.members),
             self.generation,
             self.transport,
-            self.plan.total_bytes,
+            sent,
             self.plan.num_buckets,
             seconds,
             {k: round(v, 6) for k, v in phases.items()},
@@ -173,9 +183,33 @@ class WeightPublisher:
             gbps=round(report.gbps, 3),
             transport=self.transport,
             striped=self.config.striped,
+            resharded=bool(self.layouts),
             phases=report.phases,
         )
         return report
+
+    # ------------------------------------------------------------------ resharding
+
+    def _resharding(self) -> dict[str, tuple[int, int]]:
+        """Each member's (tp_rank, tp_size) when some engine is a TP rank and the buckets
+        go by group sends from rank 0 (gloo, NCCL; one sender); else {} (full tensors to
+        everyone: CUDA IPC slots are shared by all engines, striped senders broadcast)."""
+        if self.hub is None or self.transport == "cuda_ipc" or self.senders > 1:
+            return {}
+        layouts = {name: self.hub.layout(name) for name in self.members}
+        if all(size == 1 for _, size in layouts.values()):
+            return {}
+        return layouts
+
+    def _shard_plan(self, tp_rank: int, tp_size: int) -> BucketPlan:
+        key = (tp_rank, tp_size)
+        if tp_size == 1:  # a whole-model engine beside TP ranks: the full buckets
+            return self.plan
+        if key not in self._shard_plans:
+            self._shard_plans[key] = shard_plan(
+                self.plan, tp_rank, tp_size, align=self.config.align
+            )
+        return self._shard_plans[key]
 
     def _fail(self, text: str) -> NoReturn:
         self._close_group()
@@ -282,17 +316,38 @@ class WeightPublisher:
     def _meta_round(self, version: int, checksums: list[int] | None) -> None:
         text = ""
         if self.hub is not None:
-            meta = WeightMeta(
+            meta: WeightMeta | dict[str, WeightMeta] = WeightMeta(
                 version=version,
                 entries=self.plan.entries(checksums),
                 bucket_sizes=list(self.plan.bucket_sizes),
                 transport=self.transport,
                 verify=self.config.verify,
             )
+            if self.layouts:
+                meta = {
+                    name: self._shard_meta(version, *lay, checksums)
+                    for name, lay in self.layouts.items()
+                }
             text = meta_round(self.hub, self.members, meta, self.config.timeouts.meta_s)
         text = self.comm.bcast_text(text)
         if text:
             self._fail(text)
+
+    def _shard_meta(
+        self, version: int, tp_rank: int, tp_size: int, checksums: list[int] | None
+    ) -> WeightMeta:
+        plan = self._shard_plan(tp_rank, tp_size)
+        full = tp_size == 1  # checksums are of the full buckets' entries only
+        return WeightMeta(
+            version=version,
+            entries=plan.entries(checksums if full else None),
+            bucket_sizes=list(plan.bucket_sizes),
+            transport=self.transport,
+            verify=self.config.verify and full,
+            tp_rank=tp_rank if tp_size > 1 else 0,
+            tp_size=tp_size,
+            p2p=True,
+        )
 
     # ------------------------------------------------------------------ buckets
 
@@ -314,6 +369,8 @@ class WeightPublisher:
             for k in range(self.plan.num_buckets):
                 self.gatherer.gather(k)
             return None
+        if self.layouts:
+            return self._send_shards()
         slots = self._buffers()
         ipc = None
         if self.transport == "cuda_ipc":
@@ -350,6 +407,51 @@ class WeightPublisher:
         if self.config.striped:
             log.info("weight_stripe_sent", rank=self.comm.rank, version=version, buckets=packed)
         return failure
+
+    def _send_shards(self) -> tuple[str, str] | None:
+        """Rank 0 (the only sender): per full bucket, each layout's bucket of shards, sent
+        to that layout's engines alone; two slots per layout, so packing bucket k+1
+        overlaps sending bucket k."""
+        assert self.group is not None
+        rank_of = {name: self.senders + i for i, name in enumerate(self.members)}
+        by_layout: dict[tuple[int, int], list[str]] = {}
+        for name, lay in self.layouts.items():
+            by_layout.setdefault(lay, []).append(name)
+        works: dict[tuple[int, int], list[list[Any]]] = {lay: [[], []] for lay in by_layout}
+        failure: tuple[str, str] | None = None
+        for k in range(self.plan.num_buckets):
+            gathered = self.gatherer.gather(k)
+            if failure is not None:
+                continue
+            try:
+                for lay, names in by_layout.items():
+                    plan = self._shard_plan(*lay)
+                    size = plan.bucket_sizes[k]
+                    if size == 0:
+                        continue
+                    slot = k % 2
+                    for work in works[lay][slot]:
+                        work.wait()
+                    works[lay][slot] = []
+                    buf = self._layout_slots(lay, plan.max_bucket)[slot][:size]
+                    if lay[1] == 1:
+                        pack(gathered, plan.by_bucket[k], self.gatherer.dtype, buf)
+                    else:
+                        pack_shards(gathered, plan, self._full, k, *lay, buf)
+                    works[lay][slot] = [self.group.send(buf, rank_of[n]) for n in names]
+            except Exception as exc:
+                peer = exc.peer if isinstance(exc, WeightSyncError) else "weight-group"
+                failure = (peer, f"bucket {k} of {self.plan.num_buckets}: {exc}")
+                self._close_group()
+        pending = [w for pair in works.values() for slot in pair for w in slot]
+        return self._drain(pending) if failure is None else failure
+
+    def _layout_slots(self, lay: tuple[int, int], nbytes: int) -> list[torch.Tensor]:
+        slots = self._shard_slots.get(lay)
+        if slots is None:
+            slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self._shard_slots[lay] = slots
+        return slots
 
     def _drain(self, works: list[Any]) -> tuple[str, str] | None:
         first = None

@@ -113,6 +113,7 @@ class WeightReceiver:
         self.options = options
         self.on_bucket = on_bucket
         self.version = version  # the version serving now
+        self.received_bytes = 0  # bucket bytes of the last update (its shards when resharded)
         self.last_error = ""
         self.staging = Staging(self.expected, device=self.device, tp_rank=tp_rank, tp_size=tp_size)
         self.ctx = zmq.Context()
@@ -135,7 +136,12 @@ class WeightReceiver:
 
     def register(self) -> None:
         hello = Hello(
-            service=self.name, replica=self.replica, pid=os.getpid(), host=socket.gethostname()
+            service=self.name,
+            replica=self.replica,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            tp_rank=self.staging.tp_rank,
+            tp_size=self.tp_size,
         )
         self.link.send(hello)
 
@@ -238,6 +244,7 @@ class WeightReceiver:
             )
             return
         self.link.send(MetaAccepted(version=meta.version, attempt=attempt))
+        self.received_bytes = layout.total_bytes
         go = self._wait_go(attempt)
         if go is None or not go.proceed:
             return
@@ -273,7 +280,9 @@ class WeightReceiver:
             and meta.entries == last[0].entries
         ):
             return dataclasses.replace(last[1], version=meta.version)
-        layout = validate_meta(meta, self.expected, tp_size=self.tp_size)
+        layout = validate_meta(
+            meta, self.expected, tp_rank=self.staging.tp_rank, tp_size=self.tp_size
+        )
         self._accepted = (meta, layout)
         return layout
 
@@ -283,7 +292,13 @@ class WeightReceiver:
             self.last_error = error
             log.error("weight_sync_failed", engine=self.name, version=version, error=error)
         else:
-            log.info("weight_sync_applied", engine=self.name, version=version, seconds=seconds)
+            log.info(
+                "weight_sync_applied",
+                engine=self.name,
+                version=version,
+                seconds=seconds,
+                bytes=self.received_bytes,
+            )
         self.link.send(
             WeightDone(
                 version=version, engine=self.name, ok=not error, seconds=seconds, error=error
@@ -321,9 +336,14 @@ class WeightReceiver:
         slots = self._buffers(max(layout.bucket_sizes, default=0))
         pending: deque[tuple[int, Any, torch.Tensor]] = deque()
         self._verify_error: VerifyError | None = None
+        posted = 0
         for k, size in enumerate(layout.bucket_sizes):
-            buf = slots[k % 2][:size]
-            pending.append((k, group.broadcast(buf, group.owner(k)), buf))
+            if layout.p2p and size == 0:  # our own shards only: an empty bucket is not sent
+                continue
+            buf = slots[posted % 2][:size]  # alternate over the buckets that come
+            posted += 1
+            work = group.recv(buf, 0) if layout.p2p else group.broadcast(buf, group.owner(k))
+            pending.append((k, work, buf))
             if len(pending) == 2:
                 self._land(layout, *pending.popleft())
         while pending:

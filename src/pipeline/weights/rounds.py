@@ -11,6 +11,8 @@ incarnation is a fresh member for the next group) but this sync fails.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 
 from pipeline.messages import Hello, WeightDone, WeightMeta
@@ -32,9 +34,17 @@ def parse_failure(text: str) -> Failure:
     return msgspec.json.decode(text, type=Failure)
 
 
-def meta_round(hub: WeightHub, members: list[str], meta: WeightMeta, timeout_s: float) -> str:
-    """Send the metadata, collect accept/refuse, then tell everyone go or abort."""
-    attempt = {n: hub.send(n, meta) for n in members}
+def meta_round(
+    hub: WeightHub,
+    members: list[str],
+    meta: WeightMeta | Mapping[str, WeightMeta],
+    timeout_s: float,
+) -> str:
+    """Send the metadata (one for all, or each member's own: resharded), collect
+    accept/refuse, then tell everyone go or abort."""
+    metas = meta if isinstance(meta, Mapping) else dict.fromkeys(members, meta)
+    attempt = {n: hub.send(n, metas[n]) for n in members}
+    version = next(iter(metas.values())).version if metas else -1
     rejected: dict[str, str] = {}
     restarted: list[str] = []
 
@@ -57,14 +67,14 @@ def meta_round(hub: WeightHub, members: list[str], meta: WeightMeta, timeout_s: 
     proceed = not (silent or unreached or rejected or restarted)
     for name in members:
         if name not in restarted:
-            go = SyncGo(version=meta.version, attempt=attempt[name], proceed=proceed)
+            go = SyncGo(version=version, attempt=attempt[name], proceed=proceed)
             hub.send(name, go)
     if proceed:
         return ""
     for name in silent:
-        hub.drop(name, f"no answer to WeightMeta v{meta.version} within {timeout_s:.1f}s")
+        hub.drop(name, f"no answer to WeightMeta v{version} within {timeout_s:.1f}s")
     for name in unreached:
-        hub.drop(name, f"WeightMeta v{meta.version} could not be sent: not connected")
+        hub.drop(name, f"WeightMeta v{version} could not be sent: not connected")
     for name, error in rejected.items():
         hub.drop(name, error, rejoin=False)  # it would refuse every update: keep it out
     details = [f"{n}: {e}" for n, e in rejected.items()]

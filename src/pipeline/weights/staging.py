@@ -64,7 +64,7 @@ class Staging:
                     continue
                 full_bytes = asm
             full = full_bytes.view(dtype).view(shape)
-            pairs.append(
-                (self.tensors[chunk.name], tp.shard(chunk.name, full, self.tp_rank, self.tp_size))
-            )
+            if not layout.resharded:  # full tensors: keep this rank's slice
+                full = tp.shard(chunk.name, full, self.tp_rank, self.tp_size)
+            pairs.append((self.tensors[chunk.name], full))
         copy_pairs(pairs)

@@ -45,7 +45,10 @@ class Layout:
     bucket_sizes: tuple[int, ...]
     # per bucket: (chunk, entry) pairs in wire order
     by_bucket: tuple[tuple[tuple[Chunk, WeightEntry], ...], ...]
-    full: dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (full shape, dtype)
+    # name -> (shape, dtype) as it arrives: full, or this rank's shard when resharded
+    full: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    resharded: bool = False  # the entries are this engine's own shards: no slicing
+    p2p: bool = False  # each bucket comes by a send to this engine alone
 
     @property
     def total_bytes(self) -> int:
@@ -103,12 +106,21 @@ def validate_meta(
     meta: WeightMeta,
     expected: Mapping[str, ParamSpec],
     *,
+    tp_rank: int = 0,
     tp_size: int = 1,
 ) -> Layout:
-    """Return the unpack layout, or raise MetadataRejected naming every offender by kind."""
+    """Return the unpack layout, or raise MetadataRejected naming every offender by kind.
+    Resharded metadata (`meta.tp_size > 1`) must carry this engine's own TP rank and size,
+    and every entry this rank's shard shape."""
     problems: dict[str, list[str]] = {k: [] for k in KINDS}
     if meta.transport not in TRANSPORTS:
         problems["transport"].append(meta.transport)
+    resharded = meta.tp_size > 1
+    if resharded and (meta.tp_rank, meta.tp_size) != (tp_rank, tp_size):
+        problems["layout"].append(
+            f"shards of TP rank {meta.tp_rank} of {meta.tp_size}; this engine is rank "
+            f"{tp_rank} of {tp_size}"
+        )
     _check_buckets(meta, problems)
     rows: dict[str, list[WeightEntry]] = {}
     positions: dict[str, list[int]] = {}
@@ -142,13 +154,14 @@ def validate_meta(
         elif dtype != spec.dtype:
             problems["dtype"].append(f"{name}: {entries[0].dtype} != engine {spec.dtype}")
         try:
-            want = tp.full_shape(name, spec.shape, tp_size)
+            want = spec.shape if resharded else tp.full_shape(name, spec.shape, tp_size)
         except ConfigError as exc:
             problems["no_tp_rule"].append(f"{name}: {exc}")
             continue
         if tuple(entries[0].shape) != want:
+            what = "shard" if resharded else "full"
             problems["shape"].append(
-                f"{name}: {list(entries[0].shape)} != engine full {list(want)}"
+                f"{name}: {list(entries[0].shape)} != engine {what} {list(want)}"
             )
         elif dtype is not None:
             full[name] = (want, dtype)
@@ -165,4 +178,6 @@ def validate_meta(
         bucket_sizes=tuple(meta.bucket_sizes),
         by_bucket=tuple(tuple(b) for b in by_bucket),
         full=full,
+        resharded=resharded,
+        p2p=meta.p2p,
     )

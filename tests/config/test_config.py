@@ -114,6 +114,23 @@ def test_devices_follow_the_pools_and_decide_the_weight_transport():
     assert all(len(s) == per for s in slices)
     assert len({d for s in slices for d in s}) == per * len(slices)  # replicas never overlap
     assert publish_config(load_config("profiles/local-cpu.toml")).transport == "auto"
+    assert node.devices("rollout", 1) == [2, 3] and node.ranks_per_replica("rollout") == 2
+
+
+def test_two_roles_on_one_nodes_pool_take_disjoint_gpus_by_first_device():
+    hetero = load_config("profiles/hetero-pools.toml")
+    assert hetero.services["critic"].pool == hetero.services["learner"].pool == "training"
+    assert hetero.devices("learner") == [0, 1, 2, 3, 4, 5]
+    assert hetero.devices("critic") == [6, 7]
+    assert not hetero.shares_device("critic", "learner")
+    # the engines: four TP replicas of two GPUs, every GPU of the node used once
+    slices = [hetero.devices("rollout", r) for r in range(hetero.replicas("rollout"))]
+    assert sorted(d for s in slices for d in s) == list(range(8))
+    with pytest.raises(ConfigError, match="first_device"):
+        load_config(
+            "profiles/hetero-pools.toml",
+            parse_override_args(["--services.critic.first_device", "7"]),
+        )
 
 
 def test_a_service_sees_only_its_replica_devices(monkeypatch):

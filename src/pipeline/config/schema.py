@@ -100,6 +100,9 @@ class PlacementConfig:
     replicas: int = 1
     # GPUs each replica sees, sliced from the pool in order (0: all of the pool's)
     devices_per_replica: int = 0
+    # where this role's slices start in the pool's device list: two roles on one node's
+    # pool take disjoint GPUs (a learner on the first six, the critic on the last two)
+    first_device: int = 0
     # ranks of one FSDP2 data-parallel trainer (learner, critic), started under torchrun
     fsdp_size: int = 1
     # tensor-parallel ranks of one engine replica (rollout only): the built-in engine runs
@@ -123,6 +126,7 @@ class PlacementConfig:
             )
         if self.tp < 1 or self.fsdp_size < 1:
             raise ConfigError("services.*.tp and fsdp_size must be >= 1")
+        _require("services.*.first_device", self.first_device, self.first_device >= 0, ">= 0")
         _require(
             "services.*.gpu_share", self.gpu_share, 0 <= self.gpu_share <= 100, "between 0 and 100"
         )
@@ -430,11 +434,11 @@ class PipelineConfig:
                     f"define [pools.{placement.pool}] or use one of {sorted(self.pools)}"
                 )
             pool = self.pools[placement.pool]
-            need = placement.devices_per_replica * placement.replicas
+            need = placement.devices_per_replica * placement.replicas + placement.first_device
             if pool.kind == "cuda" and pool.devices and need > len(pool.devices):
                 raise ConfigError(
                     f"services.{role} needs {need} devices but pool {placement.pool!r} has "
-                    f"{len(pool.devices)}; lower replicas or devices_per_replica"
+                    f"{len(pool.devices)}; lower replicas, devices_per_replica or first_device"
                 )
         if self.critic.enabled and self.replicas("critic") < 1:
             raise ConfigError("critic.enabled = true needs a [services.critic] placement")
@@ -627,7 +631,7 @@ class PipelineConfig:
         per = placement.devices_per_replica
         if per <= 0:
             return list(pool.devices)
-        start = (replica * per) % len(pool.devices)
+        start = (placement.first_device + replica * per) % len(pool.devices)
         return [pool.devices[(start + k) % len(pool.devices)] for k in range(per)]
 
     def shares_device(self, a: str, b: str) -> bool:

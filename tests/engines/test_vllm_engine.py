@@ -9,7 +9,9 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
 
 from pipeline.engines import GenerationRequest, SamplingParams, make_engine  # noqa: E402
+from pipeline.engines.vllm_engine import checkpoint_params  # noqa: E402
 from pipeline.models import CausalLM, load_model  # noqa: E402
+from pipeline.weights.validate import ParamSpec  # noqa: E402
 
 from .helpers import (  # noqa: E402
     TINY,
@@ -40,9 +42,9 @@ def vllm_engine(model_dir):
         model_dir,
         dtype=torch.float32,
         max_batch=8,
-        max_seq_len=128,
+        max_seq_len=256,  # room for a prompt of two KV blocks (128 tokens each on CPU)
         enforce_eager=True,
-        enable_prefix_caching=False,
+        enable_prefix_caching=True,  # as the rollout service runs it
     )
     yield engine
     engine.close()
@@ -101,3 +103,27 @@ def test_vllm_weight_update_changes_outputs_and_versions(vllm_engine, model_dir)
     update_then_generate(new, 1, new_ids)
     # a second update (back to the first policy) goes through the same in-place reload
     update_then_generate(native, 2, old_ids)
+
+
+def _serve(engine, model: CausalLM) -> int:
+    """Offer `model`'s parameters (what the learner publishes) as the next version and let
+    a step apply them."""
+    version = engine.version + 1
+    update = engine.update_weights(model.named_parameters(), version=version)
+    assert engine.step() == []
+    assert update.result(timeout=0) == version == engine.version
+    return version
+
+
+def _policies(model_dir) -> tuple[CausalLM, CausalLM]:
+    old = load_model(model_dir)
+    assert isinstance(old, CausalLM)
+    new = CausalLM(VLLM_TINY).eval()
+    new.load_state_dict(perturbed_state(old, seed=9))
+    return old, new
+
+
+def test_vllm_weight_params_are_the_checkpoints_in_the_serving_dtype(vllm_engine, model_dir):
+    native = load_model(model_dir, dtype=torch.float32)
+    expected = {n: ParamSpec(tuple(p.shape), torch.float32) for n, p in native.named_parameters()}
+    assert vllm_engine.weight_params() == expected == checkpoint_params(model_dir)

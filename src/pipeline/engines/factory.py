@@ -30,8 +30,8 @@ def make_engine(
     drain_on_update, kv_on_update, use_cuda_graphs, compile, overlap,
     decode_kernel; `tp`, a TPGroup, makes it this rank's TPEngine), HFEngineConfig (static_cache, compile,
     attn_implementation) or VLLMEngineConfig (gpu_memory_utilization, enforce_eager,
-    enable_prefix_caching, llm_kwargs). Backends are imported on demand so that choosing
-    one never needs the others' packages.
+    enable_prefix_caching, tensor_parallel_size, llm_kwargs). Backends are imported on
+    demand so that choosing one never needs the others' packages.
     """
     if kind == "torch":
         from pipeline.engines.torch_engine import TorchEngine, TorchEngineConfig

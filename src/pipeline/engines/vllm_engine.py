@@ -20,6 +20,9 @@ Semantics and their limits:
   re-runs the processing and copies the result into the live kernel tensors. The prefix
   cache is reset so new prompts never reuse keys computed by old weights. Running sequences
   keep their cached keys/values (like the built-in engine's kv_on_update="keep").
+* The receiver checks updates against weight_params(): the checkpoint-format names the
+  learner publishes (its model's named_parameters: HF names, full shapes, no tied lm_head)
+  in the dtype vLLM serves; vLLM shards them itself under tensor_parallel_size.
 * Token versions are exact when vLLM runs its engine core in this process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0), since nothing is generated between step() calls. With
   a background engine core, tokens already in flight at an update may be tagged one version
@@ -42,6 +45,7 @@ from pipeline.engines.rng import sample_key
 from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
 from pipeline.engines.weights import SafePoint
 from pipeline.log import get_logger
+from pipeline.weights.validate import ParamSpec
 
 _log = get_logger("engines.vllm")
 
@@ -58,6 +62,23 @@ def import_vllm() -> Any:
     return vllm
 
 
+def checkpoint_params(
+    model_path: str | os.PathLike[str], dtype: torch.dtype | None = None
+) -> dict[str, ParamSpec]:
+    """What a weight update for the checkpoint in `model_path` carries: the learner's
+    `named_parameters` of the same model (HF names, full shapes; a tied lm_head is the
+    embedding and is not sent), in `dtype` (default: the checkpoint's). The names vLLM's
+    loaders take in checkpoint format, not its fused kernel parameters (qkv_proj, ...)."""
+    from pipeline.models import CausalLM
+    from pipeline.models.hf_io import read_config
+
+    config = read_config(model_path)
+    with torch.device("meta"):  # shapes only, no storage
+        model = CausalLM(config)
+    serving = dtype or config.dtype
+    return {name: ParamSpec(tuple(p.shape), serving) for name, p in model.named_parameters()}
+
+
 @dataclass(frozen=True)
 class VLLMEngineConfig:
     max_batch: int = 32
@@ -66,6 +87,8 @@ class VLLMEngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
+    # vLLM shards the model over this many devices itself (its own worker processes)
+    tensor_parallel_size: int = 1
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,8 +118,9 @@ class VLLMEngine(Engine):
         self._vllm = vllm
         self.config = cfg = config or VLLMEngineConfig()
         dtype_arg = "auto" if dtype is None else str(dtype).removeprefix("torch.")
+        self.model_path = str(model_path)
         self.llm = vllm.LLM(
-            model=str(model_path),
+            model=self.model_path,
             skip_tokenizer_init=True,
             dtype=dtype_arg,
             max_num_seqs=cfg.max_batch,
@@ -105,6 +129,7 @@ class VLLMEngine(Engine):
             enforce_eager=cfg.enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
             seed=cfg.seed,
+            tensor_parallel_size=cfg.tensor_parallel_size,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # ignore the checkpoint's sampling defaults
             **cfg.llm_kwargs,
@@ -120,6 +145,12 @@ class VLLMEngine(Engine):
     @property
     def version(self) -> int:
         return self.weights.version
+
+    def weight_params(self) -> dict[str, ParamSpec]:
+        """The weight receiver checks updates against these: checkpoint-format names and
+        full shapes (vLLM shards them itself under tensor_parallel_size), in the dtype vLLM
+        serves."""
+        return checkpoint_params(self.model_path, self.llm.llm_engine.model_config.dtype)
 
     def has_unfinished(self) -> bool:
         return bool(self._tracks)

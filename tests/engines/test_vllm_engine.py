@@ -127,3 +127,64 @@ def test_vllm_weight_params_are_the_checkpoints_in_the_serving_dtype(vllm_engine
     native = load_model(model_dir, dtype=torch.float32)
     expected = {n: ParamSpec(tuple(p.shape), torch.float32) for n, p in native.named_parameters()}
     assert vllm_engine.weight_params() == expected == checkpoint_params(model_dir)
+
+
+def test_vllm_update_mid_sequence_re_prefills_under_the_new_weights(vllm_engine, model_dir):
+    """As the built-in engine's default kv_on_update="recompute": the tokens after the
+    update are the new policy's given the prefix, tagged with the new version."""
+    old, new = _policies(model_dir)
+    v_old = _serve(vllm_engine, old)
+    before, max_new = 4, 12
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    batch = prompts(3, [5, 9, 2], seed=3)
+    for i, p in enumerate(batch):
+        vllm_engine.add_request(GenerationRequest(f"m{i}", p, greedy))
+    for _ in range(before):  # one token per step (no async scheduling on CPU)
+        assert vllm_engine.step() == []
+    update = vllm_engine.update_weights(new.named_parameters(), version=v_old + 1)
+    outs = []
+    while vllm_engine.has_unfinished():
+        outs.extend(vllm_engine.step())
+    assert update.result(timeout=0) == v_old + 1
+    changed = 0
+    for prompt, out in zip(batch, sorted(outs, key=lambda o: o.request_id), strict=True):
+        assert out.token_versions == [v_old] * before + [v_old + 1] * (max_new - before)
+        assert out.output_ids[:before] == greedy_reference(old, prompt, before)
+        prefix = prompt + out.output_ids[:before]
+        assert out.output_ids[before:] == greedy_reference(new, prefix, max_new - before)
+        logprobs = torch.tensor(out.logprobs)
+        torch.testing.assert_close(
+            logprobs[:before], full_forward_logprobs(old, out)[:before], atol=1e-3, rtol=0
+        )
+        torch.testing.assert_close(
+            logprobs[before:], full_forward_logprobs(new, out)[before:], atol=1e-3, rtol=0
+        )
+        changed += out.output_ids[before:] != greedy_reference(old, prefix, max_new - before)
+    assert changed > 0  # the update changed what was generated
+
+
+def test_vllm_prefix_cached_under_old_weights_is_not_reused_after_an_update(vllm_engine, model_dir):
+    """A prompt of two KV blocks cached under the old weights, an update that lands while
+    another sequence runs (when vLLM's plain reset_prefix_cache refuses), then the same
+    prompt again: its keys are the new weights'."""
+    old, new = _policies(model_dir)
+    _serve(vllm_engine, old)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    long_prompt = prompts(1, [200], seed=5)[0]
+    (cached,) = vllm_engine.generate([GenerationRequest("c0", long_prompt, greedy)])
+    assert cached.output_ids == greedy_reference(old, long_prompt, 6)
+    vllm_engine.add_request(GenerationRequest("busy", prompts(1, [7], seed=6)[0], greedy))
+    vllm_engine.step()
+    version = vllm_engine.version + 1
+    update = vllm_engine.update_weights(new.named_parameters(), version=version)
+    assert vllm_engine.step() == [] and update.result(timeout=0) == version
+    vllm_engine.add_request(GenerationRequest("c1", long_prompt, greedy))
+    done = {}
+    while vllm_engine.has_unfinished():
+        done.update((o.request_id, o) for o in vllm_engine.step())
+    out = done["c1"]
+    assert out.token_versions == [version] * 6
+    assert out.output_ids == greedy_reference(new, long_prompt, 6)
+    torch.testing.assert_close(
+        torch.tensor(out.logprobs), full_forward_logprobs(new, out), atol=1e-3, rtol=0
+    )

@@ -17,9 +17,12 @@ Semantics and their limits:
   linear layers' weights are repacked for oneDNN / sgl GEMMs and replaced by empty
   Parameters without weight loaders). reload_weights restores the checkpoint-format
   parameters, loads the new tensors through the model's own loaders (which shard for TP),
-  re-runs the processing and copies the result into the live kernel tensors. The prefix
-  cache is reset so new prompts never reuse keys computed by old weights. Running sequences
-  keep their cached keys/values (like the built-in engine's kv_on_update="keep").
+  re-runs the processing and copies the result into the live kernel tensors. Then the
+  prefix cache is reset with reset_running_requests: vLLM refuses (only logs a warning) to
+  reset it while any running sequence holds blocks, so running sequences are preempted and
+  re-prefilled under the new weights, as the built-in engine's default
+  kv_on_update="recompute" does: each token tagged v is a draw from policy v given its
+  prefix, and no prompt reuses keys computed by old weights.
 * The receiver checks updates against weight_params(): the checkpoint-format names the
   learner publishes (its model's named_parameters: HF names, full shapes, no tied lm_head)
   in the dtype vLLM serves; vLLM shards them itself under tensor_parallel_size.
@@ -237,7 +240,8 @@ class VLLMEngine(Engine):
             "reload_weights",
             kwargs={"weights_iterator": list(tensors.items()), "is_checkpoint_format": True},
         )
-        self.llm.reset_prefix_cache()
+        # preempting: a plain reset is refused while running sequences hold blocks
+        self.llm.reset_prefix_cache(reset_running_requests=True)
         _log.info("weights applied", version=version, tensors=len(tensors))
 
     def _finish(self, vllm_id: str, reason: str | None) -> GenerationOutput:

@@ -10,7 +10,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vll
 
 from pipeline.engines import GenerationRequest, SamplingParams, make_engine  # noqa: E402
 from pipeline.engines.vllm_engine import checkpoint_params  # noqa: E402
-from pipeline.models import CausalLM, load_model  # noqa: E402
+from pipeline.models import CausalLM, load_model, save_model  # noqa: E402
 from pipeline.weights.validate import ParamSpec  # noqa: E402
 
 from .helpers import (  # noqa: E402
@@ -28,8 +28,6 @@ VLLM_TINY = TINY.replace(hidden_size=128, num_attention_heads=2, num_key_value_h
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pipeline.models import save_model
-
     path = tmp_path_factory.mktemp("tiny_llama_hd64")
     save_model(make_model(VLLM_TINY), path)
     return path
@@ -188,3 +186,33 @@ def test_vllm_prefix_cached_under_old_weights_is_not_reused_after_an_update(vllm
     torch.testing.assert_close(
         torch.tensor(out.logprobs), full_forward_logprobs(new, out), atol=1e-3, rtol=0
     )
+
+
+def test_vllm_tied_embedding_model_follows_updates_without_lm_head(tmp_path):
+    """The learner publishes a tied model without lm_head.weight (named_parameters yields
+    the shared tensor once): the engine's output layer must follow the embedding."""
+    config = VLLM_TINY.replace(model_type="qwen2", tie_word_embeddings=True, attention_bias=True)
+    save_model(make_model(config), tmp_path)
+    old = load_model(tmp_path)
+    assert isinstance(old, CausalLM)
+    new = CausalLM(config).eval()
+    state = perturbed_state(old, seed=9)
+    del state["lm_head.weight"]
+    new.load_state_dict(state, strict=False)
+    assert new.lm_head.weight is new.model.embed_tokens.weight
+    engine = make_engine(
+        "vllm", tmp_path, dtype=torch.float32, max_batch=4, max_seq_len=128, enforce_eager=True
+    )
+    assert "lm_head.weight" not in engine.weight_params()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1)
+    prompt = prompts(1, [9], seed=2)[0]
+    try:
+        for version, model in ((1, new), (2, old)):
+            _serve(engine, model)
+            (out,) = engine.generate([GenerationRequest(f"t{version}", prompt, params)])
+            assert out.token_versions == [version] * 8
+            torch.testing.assert_close(
+                torch.tensor(out.logprobs), full_forward_logprobs(model, out), atol=1e-3, rtol=0
+            )
+    finally:
+        engine.close()

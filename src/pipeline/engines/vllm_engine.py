@@ -25,7 +25,9 @@ Semantics and their limits:
   prefix, and no prompt reuses keys computed by old weights.
 * The receiver checks updates against weight_params(): the checkpoint-format names the
   learner publishes (its model's named_parameters: HF names, full shapes, no tied lm_head)
-  in the dtype vLLM serves; vLLM shards them itself under tensor_parallel_size.
+  in the dtype vLLM serves; vLLM shards them itself under tensor_parallel_size. A tied
+  model's update is given its lm_head again (the embedding's tensor): the reload treats
+  the two layers apart, and an lm_head left without a tensor keeps its old kernel form.
 * Token versions are exact when vLLM runs its engine core in this process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0), since nothing is generated between step() calls. With
   a background engine core, tokens already in flight at an update may be tagged one version
@@ -137,6 +139,8 @@ class VLLMEngine(Engine):
             generation_config="vllm",  # ignore the checkpoint's sampling defaults
             **cfg.llm_kwargs,
         )
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self._tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._seed_gen = torch.Generator().manual_seed(cfg.seed)
         self._tracks: dict[str, _Track] = {}  # vLLM request id -> track
         self._unfinished: dict[str, int] = {}
@@ -236,9 +240,14 @@ class VLLMEngine(Engine):
 
     def _load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         # Worker.reload_weights: checkpoint-format names and shapes (HF names, unsharded)
+        weights = list(tensors.items())
+        if self._tied and "lm_head.weight" not in tensors:
+            # the reload restores lm_head apart from the embedding: without a tensor of its
+            # own it keeps its kernel form of the old weights (on CPU, a repacked GEMM copy)
+            weights.append(("lm_head.weight", tensors["model.embed_tokens.weight"]))
         self.llm.collective_rpc(
             "reload_weights",
-            kwargs={"weights_iterator": list(tensors.items()), "is_checkpoint_format": True},
+            kwargs={"weights_iterator": weights, "is_checkpoint_format": True},
         )
         # preempting: a plain reset is refused while running sequences hold blocks
         self.llm.reset_prefix_cache(reset_running_requests=True)

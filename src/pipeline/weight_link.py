@@ -200,11 +200,19 @@ class LearnerWeights:
 
 
 def start_receiver(
-    ctx: Any, model: Any, apply: Any, version: int, *, tp_rank: int = 0, tp_size: int = 1
+    ctx: Any,
+    model: Any,
+    apply: Any,
+    version: int,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    device: Any = None,
 ) -> Any:
     """An engine rank's side: a receiver thread that hands each complete update to
     `apply(tensors, version)` (the engine's, resolved once it serves them) and acknowledges
-    it then. A TP rank registers as `rollout-R.tpK` and keeps its own shards."""
+    it then. A TP rank registers as `rollout-R.tpK` and keeps its own shards. `model`: the
+    engine's module, or its parameters' specs with the `device` to stage them on."""
     from pipeline.weights import WeightReceiver
 
     name = f"rollout-{ctx.replica}" if tp_size == 1 else f"rollout-{ctx.replica}.tp{tp_rank}"
@@ -220,6 +228,7 @@ def start_receiver(
         timeouts=publish_config(ctx.config).timeouts,
         run_id=ctx.run_id,
         version=version,
+        device=device,
     )
     receiver.start()
     return receiver
@@ -227,9 +236,13 @@ def start_receiver(
 
 def runner_receiver(ctx: Any, runner: Any) -> Any:
     """The receiver of the engine an EngineRunner drives (on a TP replica's leader, rank
-    0's shards): it validates against the engine's own parameters."""
+    0's shards): it validates against the engine's own parameters (vLLM's: their
+    checkpoint-format specs, staged on its device)."""
     engine = runner.engine
-    params = engine.weight_params() if hasattr(engine, "weight_params") else engine.model
+    if hasattr(engine, "weight_params"):
+        params, device = engine.weight_params(), engine.device
+    else:
+        params, device = engine.model, None
     ranks = ctx.ranks
     return start_receiver(
         ctx,
@@ -238,4 +251,5 @@ def runner_receiver(ctx: Any, runner: Any) -> Any:
         runner.version,
         tp_rank=0,
         tp_size=1 if ranks is None else ranks.world,
+        device=device,
     )

@@ -125,6 +125,7 @@ def test_vllm_weight_params_are_the_checkpoints_in_the_serving_dtype(vllm_engine
     native = load_model(model_dir, dtype=torch.float32)
     expected = {n: ParamSpec(tuple(p.shape), torch.float32) for n, p in native.named_parameters()}
     assert vllm_engine.weight_params() == expected == checkpoint_params(model_dir)
+    assert vllm_engine.device == torch.device("cpu")  # where the receiver stages updates
 
 
 def test_vllm_update_mid_sequence_re_prefills_under_the_new_weights(vllm_engine, model_dir):

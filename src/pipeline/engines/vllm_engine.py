@@ -153,6 +153,11 @@ class VLLMEngine(Engine):
     def version(self) -> int:
         return self.weights.version
 
+    @property
+    def device(self) -> torch.device:
+        """Where vLLM runs the model: the weight receiver stages updates there."""
+        return torch.device(self.llm.llm_engine.vllm_config.device_config.device_type)
+
     def weight_params(self) -> dict[str, ParamSpec]:
         """The weight receiver checks updates against these: checkpoint-format names and
         full shapes (vLLM shards them itself under tensor_parallel_size), in the dtype vLLM

@@ -5,53 +5,19 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.cli_run import cli_run, log_events, step_records
 
 
 def _run(runs: Path, name: str, *extra: str, steps: int) -> Path:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "run",
-            "--name",
-            name,
-            "--no-progress",
-            "--profile",
-            str(REPO / "profiles/local-cpu.toml"),
-            "--run.runs_dir",
-            str(runs),
-            "--controller.steps",
-            str(steps),
-            *extra,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return runs / name
-
-
-def _events(log: Path, event: str) -> list[dict]:
-    out = []
-    for line in log.read_text().splitlines():
-        if f'"{event}"' in line and line.startswith("{"):
-            out.append(json.loads(line))
-    return out
+    return cli_run(runs, name, "--controller.steps", str(steps), *extra)
 
 
 def _rewards(run: Path) -> list[float]:
-    lines = (run / "metrics/steps.jsonl").read_text().splitlines()
-    return [json.loads(x)["reward_mean"] for x in lines]
+    return [s["reward_mean"] for s in step_records(run)]
 
 
 def test_a_tp2_rollout_replica_serves_a_run_with_every_rank_on_every_version(tmp_path):
@@ -59,16 +25,16 @@ def test_a_tp2_rollout_replica_serves_a_run_with_every_rank_on_every_version(tmp
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] and summary["duplicates"] == 0 and summary["dropped"] == 0
     log = run / "logs/rollout-0.log"
-    joined = sorted(e["rank"] for e in _events(log, "rank_joined"))
+    joined = sorted(e["rank"] for e in log_events(log, "rank_joined"))
     assert joined == [0, 1]
     # each rank's receiver applied each version the learner published, and the follower
     # left when the leader let it go
     applied: dict[str, set[int]] = {}
-    for e in _events(log, "weight_sync_applied"):
+    for e in log_events(log, "weight_sync_applied"):
         applied.setdefault(e["engine"], set()).add(e["version"])
     assert sorted(applied) == ["rollout-0.tp0", "rollout-0.tp1"]
     assert applied["rollout-0.tp0"] == applied["rollout-0.tp1"] == set(range(4))
-    assert [e["rank"] for e in _events(log, "released")] == [1]
+    assert [e["rank"] for e in log_events(log, "released")] == [1]
 
 
 @pytest.mark.slow

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,8 @@ import torch
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vllm is not installed (make test-vllm)")
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.cli_run import cli_run, log_events, step_records  # noqa: E402
+
 STEPS = 4
 
 
@@ -48,58 +47,22 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # exact token versions
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "run",
-            "--name",
-            "vllm",
-            "--no-progress",
-            "--profile",
-            str(REPO / "profiles/local-cpu.toml"),
-            "--run.runs_dir",
-            str(runs),
-            "--rollout.engine",
-            "vllm",
-            "--model.path",
-            str(model),
-            "--task.warm_start_steps",
-            "0",
-            "--controller.steps",
-            str(STEPS),
-            # synchronous: every sample comes from the weights the learner then holds, so
-            # the mismatch measures the engine alone, not the policy's lag
-            "--controller.max_staleness",
-            "0",
-            "--controller.prompts_per_step",
-            "8",
-            "--controller.max_inflight_prompts",
-            "8",
-            "--rollout.n_samples",
-            "4",
-        ],
-        cwd=REPO,
+    run = cli_run(
+        runs,
+        "vllm",
+        "--rollout.engine", "vllm",
+        "--model.path", str(model),
+        "--task.warm_start_steps", "0",
+        "--controller.steps", str(STEPS),
+        # synchronous: every sample comes from the weights the learner then holds, so
+        # the mismatch measures the engine alone, not the policy's lag
+        "--controller.max_staleness", "0",
+        "--controller.prompts_per_step", "8",
+        "--controller.max_inflight_prompts", "8",
+        "--rollout.n_samples", "4",
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return runs / "vllm", model
-
-
-def _events(log: Path, event: str) -> list[dict]:
-    return [
-        json.loads(line)
-        for line in log.read_text().splitlines()
-        if line.startswith("{") and f'"{event}"' in line
-    ]
-
-
-def _steps(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics/steps.jsonl").read_text().splitlines()]
+    )  # fmt: skip
+    return run, model
 
 
 def test_the_run_completes_and_the_engine_applies_every_version(vllm_run):
@@ -107,7 +70,7 @@ def test_the_run_completes_and_the_engine_applies_every_version(vllm_run):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] and summary["duplicates"] == 0
     assert summary["trained"] + summary["dropped"] == summary["released"]
-    applied = {e["version"] for e in _events(run / "logs/rollout-0.log", "weight_sync_applied")}
+    applied = {e["version"] for e in log_events(run / "logs/rollout-0.log", "weight_sync_applied")}
     assert applied == set(range(STEPS + 1))  # the initial weights, then one per step
 
 
@@ -116,7 +79,7 @@ def test_behaviour_logprobs_follow_the_learners_weights(vllm_run):
     the weights it trains: float32 round-off on every step while the weights change each
     step (an lm_head left on the initial weights gave 2e-2 to 4e-2 from step 1 on)."""
     run, _ = vllm_run
-    steps = _steps(run)
+    steps = step_records(run)
     assert [s["step"] for s in steps] == list(range(STEPS))
     for s in steps:
         assert s["mismatch/kl"] < 1e-4, (s["step"], s["mismatch/kl"])
@@ -152,5 +115,5 @@ def test_the_last_steps_samples_come_from_trained_weights(vllm_run):
             behaviour = message.tensor(sample.behaviour_logprobs)
             drift.append(float(np.abs(logp.numpy() - behaviour).mean()))
     assert drift, "no sample of the last step was recorded"
-    last = _steps(run)[-1]
+    last = step_records(run)[-1]
     assert np.mean(drift) > 10 * last["mismatch/mean_abs_diff"], (drift, last)

@@ -32,7 +32,6 @@ the training graphs off for the run and the trunk trains itself.
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
@@ -185,9 +184,6 @@ class TrunkGraphs:
     ) -> tuple[nn.Module, list[int]] | None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # an earlier autograd graph held by a reference cycle may keep AccumulateGrad nodes
-        # of the default stream alive, with which a backward capture cannot sync
-        gc.collect()
         module = _PackedTrunk(self.trunk, spec.max_seqlen, spec.grouped)
         sample = (input_ids.clone(), positions.clone(), cu.clone())  # the static inputs
         stream = torch.cuda.current_stream()

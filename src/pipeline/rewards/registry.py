@@ -7,12 +7,7 @@ lazily from a table of import paths, which keeps this module import-light and fr
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
@@ -76,60 +71,11 @@ def auto_reward(
 
 
 def resolve(spec: str) -> RewardFn:
-    """The callable for a built-in name, `package.module:function` or `path/file.py:function`."""
-    target = BUILTIN_REWARDS.get(spec, spec)
-    module_name, sep, attr = target.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise RewardNotFound(
-            f"unknown reward {spec!r}; built-ins are {', '.join(available())}, and a user "
-            "function is given as 'package.module:function' or 'path/to/file.py:function'"
-        )
-    module = _import(module_name, spec)
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise RewardNotFound(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    """The reward function `spec` names (a built-in or a user `module:function`)."""
+    from pipeline.user_code import load_attr
+
+    fn = load_attr(spec, "reward", RewardNotFound, BUILTIN_REWARDS)
     if not callable(fn):
-        raise RewardNotFound(f"reward {spec!r}: {module_name}.{attr} is not callable")
+        target = BUILTIN_REWARDS.get(spec, spec).replace(":", ".")
+        raise RewardNotFound(f"reward {spec!r}: {target} is not callable")
     return fn
-
-
-def _import(module_name: str, spec: str) -> Any:
-    if module_name.endswith(".py"):
-        return _import_file(Path(module_name), spec)
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise RewardNotFound(
-                f"reward {spec!r}: module {module_name!r} not found (is it installed or on "
-                "PYTHONPATH?)"
-            ) from exc
-        raise RewardNotFound(f"reward {spec!r}: importing {module_name!r} failed: {exc}") from exc
-    except Exception as exc:
-        raise RewardNotFound(
-            f"reward {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _import_file(path: Path, spec: str) -> Any:
-    """Load a reward file once per absolute path, under a name that cannot clash."""
-    path = path.expanduser().resolve()
-    if not path.is_file():
-        raise RewardNotFound(f"reward {spec!r}: file {str(path)!r} does not exist")
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    name = f"pipeline_user_reward_{path.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    file_spec = importlib.util.spec_from_file_location(name, path)
-    if file_spec is None or file_spec.loader is None:
-        raise RewardNotFound(f"reward {spec!r}: cannot load {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(file_spec)
-    sys.modules[name] = module
-    try:
-        file_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise RewardNotFound(
-            f"reward {spec!r}: executing {str(path)!r} raised {type(exc).__name__}: {exc}"
-        ) from exc
-    return module

@@ -9,14 +9,8 @@ and replies are msgspec msgpack over a socket pair (see `wire`), never pickle.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import os
 import queue
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -26,6 +20,9 @@ from typing import Any
 
 import msgspec
 
+from pipeline.child_worker import ChildLost as _WorkerLost
+from pipeline.child_worker import ChildTimeout as _WorkerTimeout
+from pipeline.child_worker import ChildWorker, close_workers, short
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.log import get_logger
 from pipeline.rewards.registry import RewardFn, RewardNotFound, is_builtin, resolve
@@ -36,17 +33,7 @@ from pipeline.rewards.types import (
     ScoreStatus,
     coerce_score,
 )
-from pipeline.rewards.wire import (
-    DECODER,
-    ENCODER,
-    FrameError,
-    WorkerHello,
-    WorkerReply,
-    WorkerRequest,
-    recv_frame,
-    send_frame,
-)
-from pipeline.rewards.worker import MAX_ERROR_CHARS
+from pipeline.rewards.wire import DECODER, ENCODER, WorkerHello, WorkerReply, WorkerRequest
 
 DEFAULT_KEY = "*"
 _log = get_logger("rewards.scorer")
@@ -56,89 +43,15 @@ class ScorerError(PipelineError):
     """The scorer cannot work at all (a worker never starts, or it was used after close)."""
 
 
-class _WorkerTimeout(Exception):
-    pass
-
-
-class _WorkerLost(Exception):
-    pass
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
-
-def _child_env() -> dict[str, str]:
-    """The worker must import exactly what this process can import (incl. user modules)."""
-    env = dict(os.environ)
-    paths = [p or os.getcwd() for p in sys.path]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    return env
-
-
-class _Worker:
-    """One worker process and our end of its socket; restartable in place."""
+class _Worker(ChildWorker):
+    """A reward worker process with `preload` specs loaded at its start."""
 
     def __init__(self, preload: Sequence[str], startup_timeout_s: float) -> None:
-        self._preload = list(preload)
-        self._startup_timeout_s = startup_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._sock: socket.socket | None = None
-        self._hello: WorkerHello | None = None
+        args = [arg for spec in preload for arg in ("--preload", spec)]
+        super().__init__("pipeline.rewards.worker", args, DECODER, WorkerHello, startup_timeout_s)
         self._seq = itertools.count()
-        self.start()
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    def start(self) -> None:
-        parent_sock, child_sock = socket.socketpair()
-        cmd = [sys.executable, "-m", "pipeline.rewards.worker", "--fd", str(child_sock.fileno())]
-        cmd += ["--parent-pid", str(os.getpid())]
-        for spec in self._preload:
-            cmd += ["--preload", spec]
-        try:
-            self._proc = subprocess.Popen(
-                cmd,
-                pass_fds=(child_sock.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=_child_env(),
-            )
-        finally:
-            child_sock.close()
-        self._sock = parent_sock
-        self._hello = None
-
-    def hello(self) -> WorkerHello:
-        """Wait for the worker to be ready; its startup does not count against any sample."""
-        if self._hello is None:
-            assert self._sock is not None
-            deadline = time.monotonic() + self._startup_timeout_s
-            try:
-                payload = recv_frame(self._sock, deadline)
-            except TimeoutError as exc:
-                raise _WorkerLost(
-                    f"worker did not start within {self._startup_timeout_s}s"
-                ) from exc
-            except (OSError, FrameError) as exc:
-                raise _WorkerLost(f"worker failed to start: {exc}") from exc
-            if payload is None:
-                raise _WorkerLost("worker exited during startup (see its stderr)")
-            message = DECODER.decode(payload)
-            if not isinstance(message, WorkerHello):
-                raise _WorkerLost(f"worker sent {type(message).__name__} instead of hello")
-            self._hello = message
-        return self._hello
 
     def call(self, item: ScoreItem, spec: str, timeout_s: float) -> WorkerReply:
-        if self._proc is None:  # an earlier restart failed; try again now
-            try:
-                self.start()
-            except OSError as exc:
-                raise _WorkerLost(f"cannot start a reward worker: {exc}") from exc
-        self.hello()
-        assert self._sock is not None
         request = WorkerRequest(
             seq=next(self._seq),
             spec=spec,
@@ -148,54 +61,10 @@ class _Worker:
             extra_info=item.extra_info,
         )
         payload = ENCODER.encode(request)  # un-encodable extra_info raises before sending
-        try:
-            send_frame(self._sock, payload)
-            answer = recv_frame(self._sock, time.monotonic() + timeout_s)
-        except TimeoutError as exc:
-            raise _WorkerTimeout from exc
-        except (OSError, FrameError) as exc:
-            raise _WorkerLost(f"worker connection broke: {exc}") from exc
-        if answer is None:
-            raise _WorkerLost("worker process died while scoring (crash or exit in reward code)")
-        reply = DECODER.decode(answer)
+        reply = self.ask(payload, timeout_s)
         if not isinstance(reply, WorkerReply) or reply.seq != request.seq:
             raise _WorkerLost("worker replied out of order")
         return reply
-
-    def drop_socket(self) -> None:
-        """Close our end; the worker reads EOF and exits once it is idle."""
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
-            sock.close()
-
-    def kill(self) -> None:
-        """SIGKILL by pid and reap, so no zombie and no stuck user code is left behind."""
-        self.drop_socket()
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-    def wait_exit(self, deadline: float) -> None:
-        """Give the process until `deadline` (monotonic) to exit by itself."""
-        if self._proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _close_workers(workers: list[_Worker], grace_s: float = 1.0) -> None:
-    """EOF to every worker at once (idle ones exit), then kill whatever is left by pid."""
-    for worker in workers:
-        worker.drop_socket()
-    deadline = time.monotonic() + grace_s
-    for worker in workers:
-        worker.wait_exit(deadline)
-        worker.kill()
 
 
 class RewardScorer:
@@ -234,7 +103,7 @@ class RewardScorer:
         self._workers: list[_Worker] = []
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._pool: ThreadPoolExecutor | None = None
-        self._finalizer = weakref.finalize(self, _close_workers, self._workers)
+        self._finalizer = weakref.finalize(self, close_workers, self._workers)
         if user_specs:
             self._start_workers(user_specs, num_workers, startup_timeout_s)
 
@@ -368,7 +237,7 @@ class RewardScorer:
                 self._counters.errors += 1
         if status == "error":
             _log.warning("reward failed", uid=item.uid, data_source=item.data_source, error=error)
-        return ScoreResult(item.uid, 0.0, status, _short(error), time.monotonic() - start)
+        return ScoreResult(item.uid, 0.0, status, short(error), time.monotonic() - start)
 
     def close(self) -> None:
         """Stop every worker (EOF, then SIGKILL by pid); safe to call more than once."""

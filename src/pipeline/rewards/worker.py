@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
-import threading
-import time
 
+from pipeline.child_worker import describe, exit_when_orphaned, worker_socket
 from pipeline.rewards.registry import RewardFn, resolve
 from pipeline.rewards.types import coerce_score
 from pipeline.rewards.wire import (
@@ -25,25 +23,6 @@ from pipeline.rewards.wire import (
     recv_frame,
     send_frame,
 )
-
-MAX_ERROR_CHARS = 500
-
-
-def _describe(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
-
-def _exit_when_orphaned(parent_pid: int, period_s: float = 0.5) -> None:
-    """A worker stuck in user code must not outlive a service that died without closing it."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(period_s)
-            if os.getppid() != parent_pid:
-                os._exit(3)
-
-    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
 def serve(sock: socket.socket, preload: list[str]) -> None:
@@ -76,7 +55,7 @@ def serve(sock: socket.socket, preload: list[str]) -> None:
             )
             reply.score = coerce_score(value)
         except BaseException as exc:  # user code: even SystemExit must not end the worker
-            reply.error = _describe(exc)
+            reply.error = describe(exc)
         send_frame(sock, ENCODER.encode(reply))
 
 
@@ -87,10 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--preload", action="append", default=[], help="reward spec to load")
     args = parser.parse_args(argv)
-    # Ctrl-C reaches the whole process group; the scorer decides when this process ends.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_when_orphaned(args.parent_pid)
-    sock = socket.socket(fileno=args.fd)
+    sock = worker_socket(args.fd)
+    exit_when_orphaned(args.parent_pid)
     try:
         serve(sock, args.preload)
     except (OSError, EOFError):

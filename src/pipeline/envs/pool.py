@@ -1,0 +1,162 @@
+"""The rollout service's environment workers: episodes' calls with a deadline each.
+
+Each episode lives in one worker (its instance keeps state there); a worker answers one
+call at a time. A call that raises, returns garbage or outlives `step_timeout_s` fails that
+episode only: a hung worker is killed by pid and started again, and the other episodes it
+hosted fail as lost on their next call. Every failure is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from pipeline.child_worker import ChildLost, ChildTimeout, ChildWorker, close_workers
+from pipeline.envs.types import EnvironmentNotFound, Episode, StepResult
+from pipeline.envs.wire import DECODER, ENCODER, EnvClose, EnvHello, EnvOpen, EnvReply, EnvStep
+from pipeline.errors import PipelineError
+from pipeline.log import get_logger
+
+FailureKind = Literal["error", "timeout", "lost"]
+
+
+class EnvFailure(PipelineError):
+    """One call of one episode failed; the episode ends, the run goes on."""
+
+    def __init__(self, kind: FailureKind, message: str) -> None:
+        super().__init__(f"environment {kind}: {message}")
+        self.kind = kind
+
+
+@dataclass
+class EnvCounters:
+    episodes: int = 0
+    steps: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    lost: int = 0
+    restarts: int = 0
+
+    def as_metrics(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items()}
+
+
+class EnvPool:
+    def __init__(
+        self,
+        spec: str,
+        *,
+        options: Mapping[str, Any] | None = None,
+        workers: int = 1,
+        step_timeout_s: float = 10.0,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        self.spec = spec
+        self.step_timeout_s = step_timeout_s
+        self.counters = EnvCounters()
+        self.log = get_logger("envs.pool")
+        args = ["--spec", spec, "--options", json.dumps(dict(options or {}))]
+        self._workers: list[ChildWorker] = []
+        try:
+            for _ in range(max(1, workers)):
+                self._workers.append(
+                    ChildWorker("pipeline.envs.worker", args, DECODER, EnvHello, startup_timeout_s)
+                )
+            hello: EnvHello = self._workers[0].hello()
+        except (ChildLost, OSError) as exc:
+            self.close()
+            raise PipelineError(f"environment worker could not start: {exc}") from exc
+        if hello.load_error:
+            self.close()
+            raise EnvironmentNotFound(hello.load_error)
+        self.stop = tuple(hello.stop)
+        self._locks = [asyncio.Lock() for _ in self._workers]
+        self._generation = [0] * len(self._workers)
+        self._home: dict[str, tuple[int, int]] = {}  # episode uid -> (worker, generation)
+        self._seq = itertools.count()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.pid for w in self._workers if w.pid is not None]
+
+    async def open(self, episode: Episode) -> str:
+        """Make the episode's instance and reset it: the observation after the prompt."""
+        loads = [0] * len(self._workers)
+        for index, _ in self._home.values():
+            loads[index] += 1
+        index = loads.index(min(loads))
+        self._home[episode.uid] = (index, self._generation[index])
+        self.counters.episodes += 1
+        reply = await self._call(episode.uid, EnvOpen(seq=next(self._seq), episode=episode))
+        return reply.observation
+
+    async def step(self, uid: str, action: str) -> StepResult:
+        self.counters.steps += 1
+        reply = await self._call(uid, EnvStep(seq=next(self._seq), uid=uid, action=action))
+        return StepResult(
+            observation=reply.observation,
+            reward=reply.reward,
+            done=reply.done,
+            tool_call=reply.tool_call,
+            tool_error=reply.tool_error,
+        )
+
+    async def close_episode(self, uid: str, cancelled: bool) -> None:
+        """Tell the episode's instance it is over; a failure here is counted, not raised."""
+        try:
+            await self._call(uid, EnvClose(seq=next(self._seq), uid=uid, cancelled=cancelled))
+        except EnvFailure:
+            pass
+        finally:
+            self._home.pop(uid, None)
+
+    async def _call(self, uid: str, request: EnvOpen | EnvStep | EnvClose) -> EnvReply:
+        home = self._home.get(uid)
+        if home is None:
+            raise EnvFailure("lost", f"episode {uid} has no environment (never opened)")
+        index, generation = home
+        async with self._locks[index]:
+            if self._generation[index] != generation:
+                self.counters.lost += 1
+                raise EnvFailure("lost", "its environment worker was restarted")
+            worker = self._workers[index]
+            try:
+                reply = await asyncio.to_thread(
+                    worker.ask, ENCODER.encode(request), self.step_timeout_s
+                )
+            except ChildTimeout:
+                self.counters.timeouts += 1
+                await self._restart(index, "timeout")
+                raise EnvFailure("timeout", f"no answer within {self.step_timeout_s}s") from None
+            except ChildLost as exc:
+                self.counters.lost += 1
+                await self._restart(index, str(exc))
+                raise EnvFailure("lost", str(exc)) from exc
+        if not isinstance(reply, EnvReply) or reply.seq != request.seq:
+            self.counters.errors += 1
+            raise EnvFailure("error", "the worker answered out of turn")
+        if reply.error is not None:
+            self.counters.errors += 1
+            raise EnvFailure("error", reply.error)
+        return reply
+
+    async def _restart(self, index: int, why: str) -> None:
+        worker = self._workers[index]
+        old = worker.pid
+        self._generation[index] += 1
+        await asyncio.to_thread(worker.kill)
+        try:
+            await asyncio.to_thread(worker.start)
+        except OSError as exc:  # retried on the worker's next call
+            self.log.error("env_worker_restart_failed", error=str(exc))
+            return
+        self.counters.restarts += 1
+        self.log.warning("env_worker_restarted", why=why, old_pid=old, new_pid=worker.pid)
+
+    def close(self) -> None:
+        """Stop every worker (EOF, then SIGKILL by pid); safe to call more than once."""
+        close_workers(self._workers)

@@ -209,6 +209,8 @@ class Sample(msgspec.Struct, array_like=True, kw_only=True, gc=False, omit_defau
     returns: TensorRef | None = None  # (resp_len,) float32
     # per-token rewards the critic shaped (score minus the KL penalty): V-trace's input
     rewards: TensorRef | None = None  # (resp_len,) float32
+    # multi-turn episodes: 1 for the policy's tokens, 0 for the environment's (no loss)
+    loss_mask: TensorRef | None = None  # (resp_len,) float32
 
 
 class SampleGroup(_Wire):

@@ -61,7 +61,11 @@ class EngineRunner:
         eos = self.tokenizer.eos_token_id
         return () if eos is None or self.ignore_eos else (int(eos),)
 
-    async def generate(self, prompt: Prompt, prompt_ids: np.ndarray) -> list[SampleArrays]:
+    async def generate(
+        self, prompt: Prompt, prompt_ids: np.ndarray, extra_stop_ids: tuple[int, ...] = ()
+    ) -> list[SampleArrays]:
+        """The prompt's `n_samples` responses; each ends at end-of-sequence (unless
+        ignore_eos), at one of `extra_stop_ids` or at the prompt's token limit."""
         from pipeline.engines import SamplingParams
 
         if self._error is not None:
@@ -71,7 +75,7 @@ class EngineRunner:
             top_p=prompt.top_p,
             top_k=max(0, prompt.top_k),
             max_new_tokens=prompt.max_new_tokens,
-            stop_token_ids=self.stop_ids(),
+            stop_token_ids=(*self.stop_ids(), *extra_stop_ids),
             n=prompt.n_samples,
         )
         pending = _Pending(prompt=prompt, future=self.loop.create_future())

@@ -19,6 +19,7 @@ TENSOR_FIELDS = (
     "advantages",
     "returns",
     "rewards",
+    "loss_mask",
 )
 
 

@@ -37,6 +37,7 @@ def prepare_task(config: PipelineConfig, run_dir: Path) -> Task:
             vocab_size=len(load_tokenizer(directory)),
             seed=config.run.seed,
             warm_start_steps=config.task.warm_start_steps,
+            warm_start_task="copy_ask" if config.task.dataset == "toy_lookup" else "copy",
         )
         made.touch()
     elif config.model.path and not directory.exists():
@@ -49,12 +50,16 @@ def prepare_task(config: PipelineConfig, run_dir: Path) -> Task:
         from pipeline.data.toy_task import make_toy_dataset
 
         records = make_toy_dataset(config.task.dataset_size, seed=config.run.seed)
+    elif dataset == "toy_lookup":
+        from pipeline.data.toy_lookup import make_lookup_dataset
+
+        records = make_lookup_dataset(config.task.dataset_size, seed=config.run.seed)
     else:
         from pipeline.data.loader import load_prompts
 
         if not Path(dataset).exists():
             raise ConfigError(
-                f"task.dataset {dataset!r} is neither 'toy_reverse' nor an existing "
+                f"task.dataset {dataset!r} is neither 'toy_reverse', 'toy_lookup' nor an existing "
                 ".parquet/.jsonl file"
             )
         records = load_prompts(dataset, tokenizer=tokenizer)

@@ -41,6 +41,7 @@ def make_tiny_model(
     hidden: int = 64,
     layers: int = 2,
     warm_start_steps: int = 0,
+    warm_start_task: str = "copy",
 ) -> Path:
     """Write a freshly initialised tiny model next to the tokenizer in `directory`.
 
@@ -55,5 +56,5 @@ def make_tiny_model(
     if warm_start_steps > 0:
         from pipeline.warm_start import warm_start
 
-        warm_start(directory, steps=warm_start_steps, seed=seed)
+        warm_start(directory, steps=warm_start_steps, seed=seed, task=warm_start_task)
     return Path(directory)

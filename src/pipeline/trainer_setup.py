@@ -163,6 +163,12 @@ def batch_from_groups(groups: list[GroupArrays]) -> ExperienceBatch:
     for name in OPTIONAL_TOKEN_FIELDS:
         if samples and all(name in s.extra for _, s in samples):
             optional[name] = [np.asarray(s.extra[name], np.float32) for _, s in samples]
+    mask = None
+    if any("loss_mask" in s.extra for _, s in samples):  # multi-turn: no loss on env tokens
+        mask = [
+            np.asarray(s.extra.get("loss_mask", np.ones(len(s.response_ids))), np.float32) > 0
+            for _, s in samples
+        ]
     return ExperienceBatch.from_lists(
         [np.asarray(g.prompt_ids, np.int64) for g, _ in samples],
         [np.asarray(s.response_ids, np.int64) for _, s in samples],
@@ -170,6 +176,7 @@ def batch_from_groups(groups: list[GroupArrays]) -> ExperienceBatch:
         [float(s.score) for _, s in samples],
         uids=[s.uid for _, s in samples],
         token_versions=[np.asarray(s.token_versions, np.int64) for _, s in samples],
+        response_mask=mask,
         **optional,
     )
 

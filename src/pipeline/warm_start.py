@@ -18,14 +18,36 @@ import torch
 
 from pipeline.data.toy_task import ALPHABET, MAX_DIGITS, MIN_DIGITS
 
-WARM_TASKS = ("copy",)
+WARM_TASKS = ("copy", "copy_ask")
+# copy_ask: the share of "ask" rows, whose answer is `?`
+ASK_SHARE = 0.2
 
 
-def warm_prompt(task: str, digits: str) -> tuple[str, str]:
-    """(prompt, completion) for one warm-start instance."""
+def _word(rng: random.Random) -> str:
+    """An instruction word for a copy row: any 3-5 letters but "find" (the lookup task's)."""
+    while True:
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 5)))
+        if word != "find":
+            return word
+
+
+def warm_prompt(task: str, digits: str, rng: random.Random | None = None) -> tuple[str, str]:
+    """(prompt, completion) for one warm-start instance.
+
+    copy_ask (the toy tool task's) mixes "ask 37 =" -> "?" with copying the digits before
+    the last " =" after any instruction word, with or without an earlier question and `?`
+    ("wxyz 37 =? 482 =" -> "482"): the model can then read a tool's answer, and `?` is an
+    answer it may sample, but it never sees the lookup instruction."""
     if task == "copy":
         return f"copy {digits} =", digits
-    raise ValueError(f"unknown warm-start task {task!r}; known: {WARM_TASKS}")
+    if task != "copy_ask" or rng is None:
+        raise ValueError(f"unknown warm-start task {task!r}; known: {WARM_TASKS}")
+    if rng.random() < ASK_SHARE:
+        return f"ask {digits} =", "?"
+    prefix = _word(rng)
+    if rng.random() < 0.5:
+        prefix += f" {rng.randint(0, 999)} =?"
+    return f"{prefix} {digits} =", digits
 
 
 def warm_start(
@@ -59,7 +81,7 @@ def warm_start(
         for _ in range(batch_size):
             length = rng.randint(min_digits, max_digits)
             digits = "".join(rng.choice(alphabet) for _ in range(length))
-            prompt, completion = warm_prompt(task, digits)
+            prompt, completion = warm_prompt(task, digits, rng)
             prompt_ids = tokenizer.encode(prompt)
             answer_ids = [*tokenizer.encode(completion, add_special_tokens=False), eos]
             rows.append((prompt_ids, answer_ids))

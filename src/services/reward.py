@@ -9,6 +9,8 @@ from pipeline.messages import Scored
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import read_group, write_group
 
+ENVIRONMENT = "environment"
+
 
 class RewardService(Service):
     role = "reward"
@@ -17,15 +19,21 @@ class RewardService(Service):
     async def setup(self) -> None:
         from pipeline.rewards.scorer import RewardScorer
 
+        self.step = 0
+        # multi-turn: an episode's score is what its environment returned; kept as it is
+        self.keep_episode_return = self.config.reward.function == ENVIRONMENT
+        if self.keep_episode_return:
+            return
         self.scorer = RewardScorer(
             self.config.reward.function, timeout_s=self.config.reward.timeout_s
         )
-        self.step = 0
 
     async def handle(self, message: codec.Message) -> list[Output]:
         from pipeline.rewards.types import ScoreItem
 
         group = read_group(message)
+        if self.keep_episode_return:
+            return [write_group(group, Scored)]
         items = [
             ScoreItem(
                 uid=s.uid,

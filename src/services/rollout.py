@@ -22,6 +22,9 @@ class RolloutService(Service):
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
         self.recompiles = Recompiles()  # marked once the engine has warmed up
+        self.episodes: Any = None  # an EpisodeDriver when an environment is configured
+        self.env_pool: Any = None
+        self.groups = 0
 
     async def setup(self) -> None:
         self.concurrency = prompts_in_flight(self.config)
@@ -31,6 +34,22 @@ class RolloutService(Service):
         self.engine: Any = await start_engine(self.ctx)
         self.receiver: Any = runner_receiver(self.ctx, self.engine)
         self.recompiles.mark()
+        env = self.config.environment
+        if env.name:
+            from pipeline.envs.episode import EpisodeDriver
+            from pipeline.envs.pool import EnvPool
+
+            self.env_pool = await asyncio.to_thread(
+                EnvPool,
+                env.name,
+                options=env.options,
+                workers=env.workers,
+                step_timeout_s=env.step_timeout_s,
+            )
+            self.episodes = EpisodeDriver(
+                self.engine, self.engine.tokenizer, self.env_pool, self.config.environment
+            )
+            self.log.info("environment_ready", env=env.name, pids=self.env_pool.worker_pids)
 
     @classmethod
     def follower(cls, ctx: Any) -> Any:
@@ -46,7 +65,13 @@ class RolloutService(Service):
     async def handle(self, message: codec.Message) -> list[Output]:
         prompt: Prompt = message.body
         prompt_ids = message.tensor(prompt.prompt_ids)
-        samples = await self.generate(prompt, prompt_ids)
+        stats = {"rollout/recompiles": self.recompiles.since()}
+        if self.episodes is not None:
+            samples, episode_stats = await self.episodes.run_group(prompt, prompt_ids)
+            stats.update(episode_stats)
+            await self._report_env()
+        else:
+            samples = await self.generate(prompt, prompt_ids)
         group = GroupArrays(
             uid=prompt.uid,
             prompt_ids=prompt_ids,
@@ -54,11 +79,18 @@ class RolloutService(Service):
             data_source=prompt.data_source,
             ground_truth=prompt.ground_truth,
             released_version=prompt.released_version,
-            stats={"rollout/recompiles": self.recompiles.since()},
+            stats=stats,
         )
         return [write_group(group, Rollout)]
 
+    async def _report_env(self) -> None:
+        self.groups += 1
+        if self.groups % 16 == 0:
+            await self.report(self.groups, self.env_pool.counters.as_metrics("env."))
+
     async def teardown(self) -> None:
+        if self.env_pool is not None:
+            await asyncio.to_thread(self.env_pool.close)
         if self.receiver is not None:
             await asyncio.to_thread(self.receiver.stop)
         if self.engine is not None:

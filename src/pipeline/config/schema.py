@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.errors import ConfigError, UnknownPool
@@ -148,9 +148,10 @@ class PlacementConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    # "toy_reverse" (generated), or a path to a parquet/jsonl file in the RL schema
+    # "toy_reverse" or "toy_lookup" (generated: the toy tool task, with environment.name =
+    # "toy_lookup"), or a path to a parquet/jsonl file in the RL schema
     dataset: str = "toy_reverse"
-    # prompts generated for toy_reverse
+    # prompts generated for toy_reverse / toy_lookup
     dataset_size: int = 512
     # the longest prompt in tokens; a dataset with longer ones is refused (or, with
     # drop_long_prompts, they are dropped and counted)
@@ -266,13 +267,35 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    # "auto": pick the verifier by each sample's data_source; or a name / "module:function"
+    # "auto": pick the verifier by each sample's data_source; or a name / "module:function";
+    # "environment": multi-turn episodes keep the score their environment gave them
     function: str = "auto"
     # seconds one verifier call may take before it scores 0 and counts as an error
     timeout_s: float = 5.0
 
     def validate(self) -> None:
         _seconds("reward.timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    # multi-turn episodes: "" (one response per sample), a built-in ("toy_lookup",
+    # "gsm8k_python") or a user class "package.module:Class" / "path/to/file.py:Class"
+    name: str = ""
+    # keyword arguments of the environment's class
+    options: dict[str, Any] = field(default_factory=dict)
+    # policy turns per episode, at most (rollout.max_new_tokens bounds all of an episode's
+    # tokens, the environment's included)
+    max_turns: int = 4
+    # seconds one reset/step/close call may take before the episode fails as timed out
+    step_timeout_s: float = 10.0
+    # environment worker processes per rollout replica
+    workers: int = 2
+
+    def validate(self) -> None:
+        _require("environment.max_turns", self.max_turns, self.max_turns >= 1, ">= 1")
+        _require("environment.workers", self.workers, self.workers >= 1, ">= 1")
+        _seconds("environment.step_timeout_s", self.step_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -411,6 +434,7 @@ class PipelineConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
@@ -456,6 +480,11 @@ class PipelineConfig:
             raise ConfigError("group baselines need rollout.n_samples >= 2")
         for role, placement in self.services.items():
             placement.check_role(role)
+        if self.reward.function == "environment" and not self.environment.name:
+            raise ConfigError(
+                "reward.function = 'environment' keeps the score of a multi-turn episode: set "
+                "environment.name, or choose a verifier for single-turn samples"
+            )
         self._validate_tp()
         self._validate_reference()
         self._validate_trainers()

@@ -1,0 +1,197 @@
+"""Episodes: the rollout service drives each sample of a prompt turn by turn.
+
+A turn generates until end-of-sequence, one of the environment's stop strings or the
+episode's token budget; its text goes to the environment, whose observation is appended as
+environment tokens, and the next turn continues from the whole sequence. Other episodes keep
+decoding in the engine's running batch while one waits for its environment. The next turn
+prefills the episode's sequence again (the engine keeps no KV cache across calls): those
+recomputed tokens are counted.
+
+A sample's response is every token after the prompt; `loss_mask` marks the policy's (1) and
+the environment's (0). Environment tokens carry log-prob 0 and the version of the policy
+token before them, so staleness is the policy tokens'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from pipeline.config.schema import EnvironmentConfig
+from pipeline.envs.pool import EnvFailure, EnvPool
+from pipeline.envs.types import Episode, StepResult
+from pipeline.errors import ConfigError
+from pipeline.messages import Prompt, TensorRef
+from pipeline.samples import SampleArrays
+
+
+@dataclass
+class EpisodeStats:
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_errors: int = 0
+    env_timeouts: int = 0
+    env_seconds: float = 0.0
+    masked_tokens: int = 0
+    recomputed_tokens: int = 0
+
+
+@dataclass
+class _Trace:
+    """An episode's response so far: tokens, log-probs, versions, the policy's mask."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    mask: list[float]
+
+    def add(self, ids: Any, logprobs: Any, versions: Any, policy: bool) -> None:
+        self.ids += [int(t) for t in ids]
+        self.logprobs += [float(x) for x in logprobs]
+        self.versions += [int(v) for v in versions]
+        self.mask += [1.0 if policy else 0.0] * len(ids)
+
+
+def stop_token_ids(tokenizer: Any, stop: tuple[str, ...]) -> tuple[int, ...]:
+    """The environment's stop strings as token ids: each must be one token."""
+    ids = []
+    for text in stop:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ConfigError(
+                f"environment stop string {text!r} is {len(encoded)} tokens for this "
+                "tokenizer; a stop string must be exactly one token"
+            )
+        ids.append(int(encoded[0]))
+    return tuple(ids)
+
+
+class EpisodeDriver:
+    """Runs the episodes of prompts on an engine runner (`EngineRunner`) and an EnvPool."""
+
+    def __init__(self, runner: Any, tokenizer: Any, pool: EnvPool, config: EnvironmentConfig):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.max_turns = config.max_turns
+        self.stop_ids = stop_token_ids(tokenizer, pool.stop)
+
+    async def run_group(
+        self, prompt: Prompt, prompt_ids: np.ndarray
+    ) -> tuple[list[SampleArrays], dict[str, float]]:
+        """The prompt's `n_samples` episodes and their per-episode means (group stats)."""
+        done = await asyncio.gather(
+            *(self.run_episode(prompt, prompt_ids, i) for i in range(prompt.n_samples))
+        )
+        samples = [sample for sample, _ in done]
+        stats = {
+            f"rollout/{f.name}": float(np.mean([getattr(s, f.name) for _, s in done]))
+            for f in fields(EpisodeStats)
+        }
+        return samples, stats
+
+    async def run_episode(
+        self, prompt: Prompt, prompt_ids: np.ndarray, index: int
+    ) -> tuple[SampleArrays, EpisodeStats]:
+        uid = f"{prompt.uid}/{index}"
+        stats = EpisodeStats()
+        trace = _Trace([], [], [], [])
+        reward, finish, cancelled = 0.0, "length", True
+        episode = Episode(
+            uid=uid,
+            prompt_text=prompt.prompt_text,
+            ground_truth=prompt.ground_truth,
+            data_source=prompt.data_source,
+        )
+        try:
+            observation = await self._timed(stats, self.pool.open(episode))
+            self._observe(trace, observation, prompt.max_new_tokens, self.runner.version)
+            for turn in range(self.max_turns):
+                budget = prompt.max_new_tokens - len(trace.ids)
+                if budget <= 0:
+                    break
+                out = await self._turn(prompt, prompt_ids, trace, (index, turn), budget, stats)
+                if out.finish_reason != "stop":  # the token budget is spent mid-turn
+                    break
+                text = self.tokenizer.decode(out.response_ids.tolist(), skip_special_tokens=True)
+                result: StepResult = await self._timed(stats, self.pool.step(uid, text))
+                reward += result.reward
+                stats.tool_calls += int(result.tool_call)
+                stats.tool_errors += int(result.tool_error)
+                if result.done:
+                    finish, cancelled = "stop", False
+                    break
+                if turn + 1 == self.max_turns:
+                    finish = "turns"
+                    break
+                version = int(trace.versions[-1]) if trace.versions else self.runner.version
+                self._observe(trace, result.observation, prompt.max_new_tokens, version)
+        except EnvFailure as exc:
+            finish, reward = f"env_{exc.kind}", 0.0
+            if exc.kind == "timeout":
+                stats.env_timeouts += 1
+            else:
+                stats.env_errors += 1
+        except asyncio.CancelledError:
+            asyncio.get_running_loop().create_task(self.pool.close_episode(uid, True))
+            raise
+        await self._timed(stats, self.pool.close_episode(uid, cancelled))
+        stats.masked_tokens = int(len(trace.mask) - sum(trace.mask))
+        ids = np.asarray(trace.ids, np.int32)
+        sample = SampleArrays(
+            uid=uid,
+            response_ids=ids,
+            behaviour_logprobs=np.asarray(trace.logprobs, np.float32),
+            token_versions=np.asarray(trace.versions, np.int32),
+            finish_reason=finish,
+            response_text=self.tokenizer.decode(ids.tolist(), skip_special_tokens=True),
+            score=reward,
+            extra={"loss_mask": np.asarray(trace.mask, np.float32)},
+        )
+        return sample, stats
+
+    async def _turn(
+        self,
+        prompt: Prompt,
+        prompt_ids: np.ndarray,
+        trace: _Trace,
+        at: tuple[int, int],
+        budget: int,
+        stats: EpisodeStats,
+    ) -> SampleArrays:
+        index, turn = at
+        ids = np.concatenate([np.asarray(prompt_ids, np.int32), np.asarray(trace.ids, np.int32)])
+        request = Prompt(
+            uid=f"{prompt.uid}/{index}/t{turn}",
+            prompt_ids=TensorRef(dtype="int32", shape=(len(ids),), frame=0),
+            n_samples=1,
+            max_new_tokens=budget,
+            temperature=prompt.temperature,
+            top_p=prompt.top_p,
+            top_k=prompt.top_k,
+        )
+        if turn:
+            stats.recomputed_tokens += len(ids)
+        stats.turns += 1
+        (out,) = await self.runner.generate(request, ids, extra_stop_ids=self.stop_ids)
+        trace.add(out.response_ids, out.behaviour_logprobs, out.token_versions, policy=True)
+        return out
+
+    def _observe(self, trace: _Trace, text: str, limit: int, version: int) -> None:
+        if not text:
+            return
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: limit - len(trace.ids)]
+        trace.add(ids, [0.0] * len(ids), [version] * len(ids), policy=False)
+
+    @staticmethod
+    async def _timed(stats: EpisodeStats, call: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return await call
+        finally:
+            stats.env_seconds += time.monotonic() - start

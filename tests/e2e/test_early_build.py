@@ -39,6 +39,10 @@ def test_learner_warms_up_before_any_controller_answers(tmp_path):
         "--run.handshake_timeout_s", "120",
         "--learner.trainer.compile", "true",
         "--learner.trainer.compile_backend", "aot_eager",
+        # warm-up batches of a 16-sample step (the profile's is 256): the same compile,
+        # without ~20 s of eager arithmetic on 2 cores
+        "--controller.prompts_per_step", "4",
+        "--rollout.n_samples", "4",
     ]  # fmt: skip
     env = dict(os.environ, PIPELINE_LOG_JSON="1")
     with open(log, "wb") as out:

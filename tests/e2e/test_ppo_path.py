@@ -33,6 +33,9 @@ def test_critic_annotates_every_group_and_trains(tmp_path):
             "4",
             "--controller.prompts_per_step",
             "8",
+            # no warm start of the tiny model: nothing here needs it to learn (~10 s less)
+            "--task.warm_start_steps",
+            "0",
         ],
         cwd=REPO,
         capture_output=True,

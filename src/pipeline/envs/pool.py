@@ -121,7 +121,10 @@ class EnvPool:
         index, generation = home
         async with self._locks[index]:
             if self._generation[index] != generation:
-                self.counters.lost += 1
+                # not for a close: the episode's data is complete, or the call that failed it
+                # (the timeout that restarted the worker, its own lost call) was counted
+                if not isinstance(request, EnvClose):
+                    self.counters.lost += 1
                 raise EnvFailure("lost", "its environment worker was restarted")
             worker = self._workers[index]
             try:

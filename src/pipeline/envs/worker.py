@@ -27,7 +27,7 @@ from pipeline.envs.wire import (
     EnvReply,
     EnvStep,
 )
-from pipeline.rewards.wire import recv_frame, send_frame
+from pipeline.rewards.wire import MAX_FRAME_BYTES, recv_frame, send_frame
 
 
 def _call(loop: asyncio.AbstractEventLoop, method: Any, *args: Any) -> Any:
@@ -82,10 +82,16 @@ def serve(sock: socket.socket, spec: str, options: dict[str, Any]) -> None:
         if not isinstance(request, EnvOpen | EnvStep | EnvClose):
             continue
         try:
-            reply = _answer(loop, cls, options, live, request)
+            # encoded here too: a reply msgpack cannot take (a str with a lone surrogate) or
+            # one over the frame limit is this call's error, not a crash of every episode
+            # the worker hosts
+            payload = ENCODER.encode(_answer(loop, cls, options, live, request))
+            if len(payload) > MAX_FRAME_BYTES:
+                raise ValueError(f"reply of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
         except BaseException as exc:  # user code: even SystemExit must not end the worker
-            reply = EnvReply(seq=request.seq, error=describe(exc))
-        send_frame(sock, ENCODER.encode(reply))
+            error = describe(exc).encode("utf-8", "backslashreplace").decode()
+            payload = ENCODER.encode(EnvReply(seq=request.seq, error=error))
+        send_frame(sock, payload)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,84 @@
+"""Environments that misbehave on request, for the environment pool's and the rollout's tests.
+
+`FaultyEnv` does what its episode's prompt text (in `reset`) or the action (in `step`) says:
+raise, hang, return garbage, exit the worker; any other action is echoed back with the
+episode's uid and turn, so a test sees which instance answered. Loaded by the pool's worker
+as `tests.envs.faulty_envs:FaultyEnv` or as a file path spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pipeline.envs.types import Environment, Episode, StepResult
+
+NOT_A_CLASS = 3
+
+
+class FaultyEnv(Environment):
+    stop: ClassVar[tuple[str, ...]] = ("?",)
+
+    def __init__(self, log: str = "", **options: Any) -> None:
+        super().__init__(**options)
+        self.log = log  # a file that gets one line per close, when given
+        self.uid = ""
+        self.turns = 0
+
+    def reset(self, episode: Episode) -> Any:
+        self.uid = episode.uid
+        if episode.prompt_text == "raise":
+            raise RuntimeError("reset failed on purpose")
+        if episode.prompt_text == "hang":
+            time.sleep(3600)
+        if episode.prompt_text == "garbage":
+            return 7  # not a str
+        return f"hello {episode.uid}"
+
+    def step(self, action: str) -> Any:
+        if action == "raise":
+            raise ValueError("step failed on purpose")
+        if action == "hang":
+            time.sleep(3600)
+        if action == "garbage":
+            return {"observation": "a dict, not a StepResult"}
+        if action == "bad types":
+            return StepResult(observation=12)  # type: ignore[arg-type]
+        if action == "bad flag":
+            return StepResult(done=1)  # type: ignore[arg-type]
+        if action == "nan":
+            return StepResult(reward=float("nan"))
+        if action == "surrogate":
+            return StepResult(observation="half a pair: \ud800")
+        if action == "raise surrogate":
+            raise ValueError("half a pair: \ud800")
+        if action == "exit":
+            raise SystemExit(3)
+        if action == "die":
+            os._exit(3)
+        if action == "pid":
+            return StepResult(observation=str(os.getpid()))
+        self.turns += 1
+        return StepResult(
+            observation=f" {self.uid}:{self.turns}:{action}", reward=1.0, done=action == "done"
+        )
+
+    def close(self, cancelled: bool) -> None:
+        if self.log:
+            with Path(self.log).open("a") as f:
+                f.write(f"{self.uid} {cancelled}\n")
+
+
+class AsyncEnv(Environment):
+    """Coroutine methods: the worker awaits them."""
+
+    async def reset(self, episode: Episode) -> str:  # type: ignore[override]
+        await asyncio.sleep(0.01)
+        return "async hello"
+
+    async def step(self, action: str) -> StepResult:  # type: ignore[override]
+        await asyncio.sleep(0.01)
+        return StepResult(observation=action.upper(), done=True, reward=0.5)

@@ -22,9 +22,20 @@ NOT_A_CLASS = 3
 class FaultyEnv(Environment):
     stop: ClassVar[tuple[str, ...]] = ("?",)
 
-    def __init__(self, log: str = "", **options: Any) -> None:
+    def __init__(
+        self,
+        log: str = "",
+        greet: bool = True,
+        hang_on: str = "",
+        raise_on: str = "",
+        done_after: int = 0,
+        **options: Any,
+    ) -> None:
         super().__init__(**options)
         self.log = log  # a file that gets one line per close, when given
+        self.greet = greet  # reset says hello
+        self.hang_on, self.raise_on = hang_on, raise_on  # also hang / raise on this action
+        self.done_after = done_after  # done at this turn (0: only on the action "done")
         self.uid = ""
         self.turns = 0
 
@@ -36,12 +47,12 @@ class FaultyEnv(Environment):
             time.sleep(3600)
         if episode.prompt_text == "garbage":
             return 7  # not a str
-        return f"hello {episode.uid}"
+        return f"hello {episode.uid}" if self.greet else ""
 
     def step(self, action: str) -> Any:
-        if action == "raise":
+        if action == "raise" or (self.raise_on and action == self.raise_on):
             raise ValueError("step failed on purpose")
-        if action == "hang":
+        if action == "hang" or (self.hang_on and action == self.hang_on):
             time.sleep(3600)
         if action == "garbage":
             return {"observation": "a dict, not a StepResult"}
@@ -62,9 +73,8 @@ class FaultyEnv(Environment):
         if action == "pid":
             return StepResult(observation=str(os.getpid()))
         self.turns += 1
-        return StepResult(
-            observation=f" {self.uid}:{self.turns}:{action}", reward=1.0, done=action == "done"
-        )
+        done = action == "done" or self.turns == self.done_after
+        return StepResult(observation=f" {self.uid}:{self.turns}:{action}", reward=1.0, done=done)
 
     def close(self, cancelled: bool) -> None:
         if self.log:

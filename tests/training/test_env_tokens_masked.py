@@ -204,3 +204,29 @@ def test_masked_tokens_fields_do_not_change_the_update(model_dir: Path, case: st
         for group in groups
     ]
     assert differing(weights, update(model_dir, case, unmasked)[0])
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_a_mini_batch_of_only_failed_episodes_trains(model_dir: Path, padding_free: bool) -> None:
+    """Episodes whose environment failed at reset have empty responses; a mini-batch of
+    only those used to kill the learner ("element 0 of tensors does not require grad")."""
+    groups = episodes(())
+    empty = [
+        SampleArrays(
+            uid=f"p9/{i}",
+            response_ids=np.zeros(0, np.int32),
+            behaviour_logprobs=np.zeros(0, np.float32),
+            token_versions=np.zeros(0, np.int32),
+            finish_reason="env_error",
+            extra={"loss_mask": np.zeros(0, np.float32)},
+        )
+        for i in range(SAMPLES)
+    ]
+    groups.append(GroupArrays(uid="p9", prompt_ids=np.arange(4, dtype=np.int32), samples=empty))
+    config = TrainerConfig(device="cpu", mini_batches=3, padding_free=padding_free)
+    trainer = PolicyTrainer(model_dir, config, AlgorithmConfig(advantage_estimator="grpo"))
+    start = state_of(trainer.model)
+    metrics = trainer.train_step(batch_from_groups(groups))  # p9's samples sort last
+    assert metrics["actor/skipped_updates"] == 0 and np.isfinite(metrics["actor/loss"])
+    after = state_of(trainer.model)
+    assert differing(start, after) and all(torch.isfinite(t).all() for t in after.values())

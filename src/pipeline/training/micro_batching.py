@@ -232,9 +232,15 @@ def _response_layout(
     base = np.asarray(starts, dtype=np.int64).reshape(-1) + prompt_lens - 1  # (m,)
     index = base[:, None] + j  # (m, r)
     row_starts = np.cumsum(lengths) - lengths  # (m,) first entry of each sample's block
+    scored = index[valid]  # row-major: sample by sample
+    if not scored.size and len(indices):
+        # only empty responses (episodes whose environment failed at reset): one prompt
+        # position is scored, read by nothing, so the loss keeps a backward path like a
+        # dummy's (without it the learner died: "does not require grad")
+        scored = base[:1]
     return {
         "gather_index": np.where(valid, index, 0),
-        "score_index": index[valid],  # row-major: sample by sample
+        "score_index": scored,
         "score_gather": np.where(valid, row_starts[:, None] + j, 0),
     }
 

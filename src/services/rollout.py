@@ -90,6 +90,12 @@ class RolloutService(Service):
 
     async def teardown(self) -> None:
         if self.env_pool is not None:
+            # the groups since the last report too, or a short run's counters never show;
+            # into this service's metrics file only (the controller may be gone by now)
+            if self.groups % 16:
+                self.metrics.write(
+                    {"step": self.groups, **self.env_pool.counters.as_metrics("env.")}
+                )
             await asyncio.to_thread(self.env_pool.close)
         if self.receiver is not None:
             await asyncio.to_thread(self.receiver.stop)

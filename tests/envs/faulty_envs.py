@@ -9,11 +9,13 @@ as `tests.envs.faulty_envs:FaultyEnv` or as a file path spec.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pipeline.envs.toy_lookup import LookupEnv
 from pipeline.envs.types import Environment, Episode, StepResult
 
 NOT_A_CLASS = 3
@@ -92,3 +94,39 @@ class AsyncEnv(Environment):
     async def step(self, action: str) -> StepResult:  # type: ignore[override]
         await asyncio.sleep(0.01)
         return StepResult(observation=action.upper(), done=True, reward=0.5)
+
+
+class FlakyLookupEnv(LookupEnv):
+    """The toy lookup task's environment, failing some episodes for good, picked by a hash
+    of their uid (the same in every run of a seed): one in `every` raises in reset, one
+    returns no text from reset, one raises in step, one returns garbage from step. The
+    first sample of prompts whose uid starts with `hang_prefix` hangs in reset. `slow_s`:
+    every call takes that long (episodes stay in flight)."""
+
+    def __init__(
+        self, every: int = 12, hang_prefix: str = "", slow_s: float = 0.0, **options: Any
+    ) -> None:
+        super().__init__(**options)
+        self.every, self.hang_prefix, self.slow_s = every, hang_prefix, slow_s
+        self.bucket = -1
+
+    def reset(self, episode: Episode) -> Any:
+        time.sleep(self.slow_s)
+        digest = int.from_bytes(hashlib.blake2b(episode.uid.encode(), digest_size=4).digest())
+        uid = episode.uid
+        if self.hang_prefix and uid.startswith(self.hang_prefix) and uid.endswith("/0"):
+            time.sleep(3600)
+        self.bucket = digest % self.every
+        if self.bucket == 0:
+            raise RuntimeError(f"flaky reset of {episode.uid}")
+        if self.bucket == 1:
+            return None
+        return super().reset(episode)
+
+    def step(self, action: str) -> Any:
+        time.sleep(self.slow_s)
+        if self.bucket == 2:
+            raise RuntimeError("flaky step")
+        if self.bucket == 3:
+            return "garbage"
+        return super().step(action)

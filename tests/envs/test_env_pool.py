@@ -245,3 +245,23 @@ def test_close_stops_every_worker_and_is_idempotent() -> None:
     pool.close()
     pool.close()
     assert not set(pids) & children()
+
+
+async def test_an_episode_opened_behind_a_hung_call_opens_in_the_new_worker(make_pool) -> None:
+    """It was queued for the worker, not hosted by it: nothing of it was lost."""
+    pool = make_pool(workers=1, step_timeout_s=0.5)
+    await pool.open(episode("a"))
+    old = pool.worker_pids
+
+    async def open_later() -> str:
+        await asyncio.sleep(0.1)  # the hung call holds the worker by now
+        return await pool.open(episode("b"))
+
+    hung, opened = await asyncio.gather(
+        pool.step("a", "hang"), open_later(), return_exceptions=True
+    )
+    assert isinstance(hung, EnvFailure) and hung.kind == "timeout"
+    assert opened == "hello b", opened
+    assert pool.worker_pids != old
+    assert int((await pool.step("b", "pid")).observation) == pool.worker_pids[0]
+    assert (pool.counters.timeouts, pool.counters.lost, pool.counters.restarts) == (1, 0, 1)

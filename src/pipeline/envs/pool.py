@@ -120,6 +120,11 @@ class EnvPool:
             raise EnvFailure("lost", f"episode {uid} has no environment (never opened)")
         index, generation = home
         async with self._locks[index]:
+            if isinstance(request, EnvOpen):
+                # an open queued behind a call that restarted the worker: the episode was
+                # not hosted there yet, so it opens in the new worker instead of failing
+                generation = self._generation[index]
+                self._home[uid] = (index, generation)
             if self._generation[index] != generation:
                 # not for a close: the episode's data is complete, or the call that failed it
                 # (the timeout that restarted the worker, its own lost call) was counted

@@ -19,12 +19,12 @@ import torch
 from pipeline.data.toy_task import ALPHABET, MAX_DIGITS, MIN_DIGITS
 
 WARM_TASKS = ("copy", "copy_ask")
-# copy_ask: the share of "ask" rows, whose answer is `?`
-ASK_SHARE = 0.2
+# copy_ask: the share of first answers that are the call `?`, whatever the instruction word
+ASK_SHARE = 0.12
 
 
 def _word(rng: random.Random) -> str:
-    """An instruction word for a copy row: any 3-5 letters but "find" (the lookup task's)."""
+    """An instruction word: any 3-5 letters but "find" (the lookup task's)."""
     while True:
         word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 5)))
         if word != "find":
@@ -34,20 +34,21 @@ def _word(rng: random.Random) -> str:
 def warm_prompt(task: str, digits: str, rng: random.Random | None = None) -> tuple[str, str]:
     """(prompt, completion) for one warm-start instance.
 
-    copy_ask (the toy tool task's) mixes "ask 37 =" -> "?" with copying the digits before
-    the last " =" after any instruction word, with or without an earlier question and `?`
-    ("wxyz 37 =? 482 =" -> "482"): the model can then read a tool's answer, and `?` is an
-    answer it may sample, but it never sees the lookup instruction."""
+    copy_ask (the toy tool task's): "<word> 482 =" -> "482", or, for a share of rows and
+    whatever the word, "<word> 37 =" -> "?"; after an earlier call ("<word> 37 =? 482 =") the
+    answer is always the digits before the last " =". The model can then read a tool's answer,
+    and `?` is a first answer it samples now and then for any instruction; it never sees the
+    lookup instruction "find", nor that calling pays."""
     if task == "copy":
         return f"copy {digits} =", digits
     if task != "copy_ask" or rng is None:
         raise ValueError(f"unknown warm-start task {task!r}; known: {WARM_TASKS}")
-    if rng.random() < ASK_SHARE:
-        return f"ask {digits} =", "?"
-    prefix = _word(rng)
+    word = _word(rng)
     if rng.random() < 0.5:
-        prefix += f" {rng.randint(0, 999)} =?"
-    return f"{prefix} {digits} =", digits
+        return f"{word} {rng.randint(0, 999)} =? {digits} =", digits
+    if rng.random() < ASK_SHARE:
+        return f"{word} {digits} =", "?"
+    return f"{word} {digits} =", digits
 
 
 def warm_start(

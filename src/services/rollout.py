@@ -47,7 +47,11 @@ class RolloutService(Service):
                 step_timeout_s=env.step_timeout_s,
             )
             self.episodes = EpisodeDriver(
-                self.engine, self.engine.tokenizer, self.env_pool, self.config.environment
+                self.engine,
+                self.engine.tokenizer,
+                self.env_pool,
+                self.config.environment,
+                span=self.span,
             )
             self.log.info("environment_ready", env=env.name, pids=self.env_pool.worker_pids)
 

@@ -9,6 +9,8 @@ from typing import Any
 
 PLOTS = {
     "reward": ["reward_mean"],
+    # multi-turn runs: the share of episodes that used their tool well, beside the reward
+    "tool_use": ["reward_mean", "rollout/tool_used"],
     "kl": ["kl/k3", "kl/k1", "mismatch/kl"],
     "entropy": ["actor/entropy"],
     "tokens_per_s": ["tokens_per_s"],

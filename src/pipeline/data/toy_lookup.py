@@ -5,9 +5,11 @@ compute (a seeded hash of the key). The policy's first turn should be the call `
 environment's stop string); the tool answers " 482 =" as environment tokens, and the next
 turn should be "482" and end-of-sequence. The reward is 1 for the right final answer only.
 
-The tiny model's warm start (`pipeline.warm_start`, task "copy_ask") knows two other
-instructions: "copy 482 =" -> "482" and, rarely, "ask 37 =" -> "?". It never sees "find" nor a
-tool's answer: RL has to learn to call the tool for "find" and to copy what it returns.
+The tiny model's warm start (`pipeline.warm_start`, task "copy_ask") copies the digits
+before the last " =" after any other instruction word ("wxyz 482 =" -> "482", also after an
+earlier call: "wxyz 37 =? 482 =" -> "482"), and answers `?` to a first question now and then
+whatever its word. It never sees "find": RL has to learn that calling pays for "find" and to
+answer with what the tool returned.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -34,6 +35,8 @@ class EpisodeStats:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    # 1 when the episode called its tool and every call was well formed
+    tool_used: int = 0
     env_errors: int = 0
     env_timeouts: int = 0
     env_seconds: float = 0.0
@@ -74,8 +77,17 @@ def stop_token_ids(tokenizer: Any, stop: tuple[str, ...]) -> tuple[int, ...]:
 class EpisodeDriver:
     """Runs the episodes of prompts on an engine runner (`EngineRunner`) and an EnvPool."""
 
-    def __init__(self, runner: Any, tokenizer: Any, pool: EnvPool, config: EnvironmentConfig):
+    def __init__(
+        self,
+        runner: Any,
+        tokenizer: Any,
+        pool: EnvPool,
+        config: EnvironmentConfig,
+        span: Callable[..., None] | None = None,
+    ):
         self.runner = runner
+        # the service's timeline (`Service.span`): each turn's generation and environment call
+        self.span = span
         self.tokenizer = tokenizer
         self.pool = pool
         self.max_turns = config.max_turns
@@ -109,7 +121,7 @@ class EpisodeDriver:
             data_source=prompt.data_source,
         )
         try:
-            observation = await self._timed(stats, self.pool.open(episode))
+            observation = await self._timed(stats, self.pool.open(episode), "env_reset", uid)
             self._observe(trace, observation, prompt.max_new_tokens, self.runner.version)
             for turn in range(self.max_turns):
                 budget = prompt.max_new_tokens - len(trace.ids)
@@ -119,7 +131,9 @@ class EpisodeDriver:
                 if out.finish_reason != "stop":  # the token budget is spent mid-turn
                     break
                 text = self.tokenizer.decode(out.response_ids.tolist(), skip_special_tokens=True)
-                result: StepResult = await self._timed(stats, self.pool.step(uid, text))
+                result: StepResult = await self._timed(
+                    stats, self.pool.step(uid, text), "env_step", uid
+                )
                 reward += result.reward
                 stats.tool_calls += int(result.tool_call)
                 stats.tool_errors += int(result.tool_error)
@@ -140,8 +154,9 @@ class EpisodeDriver:
         except asyncio.CancelledError:
             asyncio.get_running_loop().create_task(self.pool.close_episode(uid, True))
             raise
-        await self._timed(stats, self.pool.close_episode(uid, cancelled))
+        await self._timed(stats, self.pool.close_episode(uid, cancelled), "env_close", uid)
         stats.masked_tokens = int(len(trace.mask) - sum(trace.mask))
+        stats.tool_used = int(stats.tool_calls > 0 and stats.tool_errors == 0)
         ids = np.asarray(trace.ids, np.int32)
         sample = SampleArrays(
             uid=uid,
@@ -178,7 +193,10 @@ class EpisodeDriver:
         if turn:
             stats.recomputed_tokens += len(ids)
         stats.turns += 1
+        start = time.time()
         (out,) = await self.runner.generate(request, ids, extra_stop_ids=self.stop_ids)
+        if self.span is not None:
+            self.span("turn", start, time.time(), uid=request.uid, tokens=len(out.response_ids))
         trace.add(out.response_ids, out.behaviour_logprobs, out.token_versions, policy=True)
         return out
 
@@ -188,10 +206,12 @@ class EpisodeDriver:
         ids = self.tokenizer.encode(text, add_special_tokens=False)[: limit - len(trace.ids)]
         trace.add(ids, [0.0] * len(ids), [version] * len(ids), policy=False)
 
-    @staticmethod
-    async def _timed(stats: EpisodeStats, call: Any) -> Any:
-        start = time.monotonic()
+    async def _timed(self, stats: EpisodeStats, call: Any, name: str, uid: str) -> Any:
+        start = time.time()
         try:
             return await call
         finally:
-            stats.env_seconds += time.monotonic() - start
+            end = time.time()
+            stats.env_seconds += end - start
+            if self.span is not None:
+                self.span(name, start, end, uid=uid)

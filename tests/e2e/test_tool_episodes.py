@@ -63,6 +63,7 @@ def flaky_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_flaky_environment_fails_episodes_not_the_run(flaky_run: Path) -> None:
+    assert not _flaky_workers(), "environment workers outlived the run"
     summary = json.loads((flaky_run / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 4 and summary["duplicates"] == 0
     samples = [s for g in recorded_groups(flaky_run).values() for s in g.samples]
@@ -192,3 +193,17 @@ def _open_episodes(run_dir: Path) -> int:
     taken = {r.decode().body.uid for r in QueueReader(run_dir / "queues/prompts.log")}
     answered = set(recorded_groups(run_dir))
     return len(taken - answered)
+
+
+def _flaky_workers() -> list[int]:
+    """Live environment worker processes of FLAKY (no other test or run uses it)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _alive(int(entry.name)):
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "pipeline.envs.worker" in cmd and FLAKY in cmd:
+                out.append(int(entry.name))
+    return out

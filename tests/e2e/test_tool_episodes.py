@@ -55,7 +55,7 @@ def flaky_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         *("--controller.steps", "4"),
         *("--environment.name", FLAKY, "--environment.step_timeout_s", "1"),
         *("--environment.workers", "2"),
-        # one hang: the second prompt's first sample (its worker's other episodes are lost)
+        # one hang: the second prompt's first sample (episodes its worker hosts are lost)
         *("--environment.options.hang_prefix", "000001:"),
         profile=PROFILE,
         timeout=300,

@@ -252,3 +252,36 @@ def test_a_stop_string_must_be_one_token(tokenizer) -> None:
     assert stop_token_ids(tokenizer, ("?", "=")) == (token(tokenizer, "?"), token(tokenizer, "="))
     with pytest.raises(ConfigError, match="'</tool>' is 7 tokens"):
         stop_token_ids(tokenizer, ("</tool>",))
+
+
+def test_reset_text_takes_the_version_of_the_first_policy_token(tokenizer, tmp_path) -> None:
+    """A weight update lands between an episode's open and its first token: the reset text's
+    tokens carry the first policy token's version, so the sample is no staler than its
+    policy tokens (the learner's staleness filter reads the oldest token)."""
+    prompt, ids = prompt_of(tokenizer, "x", max_new_tokens=40)
+    model = bigram_model(tokenizer)
+    engine = TorchEngine(model, TorchEngineConfig(max_batch=8, max_seq_len=64, seed=0))
+    pool = EnvPool(FAULTY, options={"log": str(tmp_path / "closes")}, workers=1)
+    config = EnvironmentConfig(name=FAULTY, max_turns=2)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class UpdatedBeforeFirstTurn(EngineRunner):
+        async def generate(self, request, request_ids, extra_stop_ids=()):
+            if self.version == 0:
+                await asyncio.wrap_future(self.update_weights(weights, 1))
+            return await super().generate(request, request_ids, extra_stop_ids)
+
+    async def main():
+        runner = UpdatedBeforeFirstTurn(engine, tokenizer, asyncio.get_running_loop())
+        try:
+            return await EpisodeDriver(runner, tokenizer, pool, config).run_episode(prompt, ids, 0)
+        finally:
+            await runner.close()
+
+    try:
+        sample, _ = asyncio.run(main())
+    finally:
+        pool.close()
+    mask = np.asarray(sample.extra["loss_mask"])
+    assert mask[0] == 0 and (mask == 1).any()  # FaultyEnv greets: reset text comes first
+    assert (np.asarray(sample.token_versions) == 1).all(), sample.token_versions

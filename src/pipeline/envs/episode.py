@@ -128,6 +128,11 @@ class EpisodeDriver:
                 if budget <= 0:
                     break
                 out = await self._turn(prompt, prompt_ids, trace, (index, turn), budget, stats)
+                if turn == 0 and len(out.token_versions):
+                    # the reset text was tagged at open; a weight update may land before
+                    # the first policy token, whose version it takes (staleness is policy's)
+                    lead = len(trace.ids) - len(out.response_ids)
+                    trace.versions[:lead] = [int(out.token_versions[0])] * lead
                 if out.finish_reason != "stop":  # the token budget is spent mid-turn
                     break
                 text = self.tokenizer.decode(out.response_ids.tolist(), skip_special_tokens=True)

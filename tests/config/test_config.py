@@ -43,6 +43,11 @@ def test_dotted_overrides_are_typed():
         ({"algorithm.lam": "1.5"}, "algorithm.lam"),
         ({"controller.step_timeout_s": "0"}, "step_timeout_s must be > 0"),
         ({"controller.first_step_timeout_s": "-1"}, "first_step_timeout_s >= 0"),
+        ({"environment.max_turns": "0"}, "environment.max_turns"),
+        ({"environment.workers": "0"}, "environment.workers"),
+        ({"environment.step_timeout_s": "0"}, "environment.step_timeout_s > 0"),
+        ({"reward.function": "'environment'"}, "set environment.name"),
+        ({"environment.nmae": "'toy_lookup'"}, "did you mean 'name'"),
     ],
 )
 def test_validation_errors_say_how_to_fix(override, message):

@@ -20,8 +20,11 @@ from pipeline.data.records import DataError
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
+# "`" last, so every other id stays put: without it a ```python block (the gsm8k_python
+# tool's call) encodes to <unk>s and the policy could never call that tool; 93 tokens still
+# round up to the tiny model's 96-row embedding, which is unchanged
 CHARACTERS = (
-    string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n.,:;!?+-*/=()<>#$%'\"_"
+    string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n.,:;!?+-*/=()<>#$%'\"_`"
 )
 
 # Roles as single tokens; the text of a turn ends with <eos>, which is also where generation

@@ -9,7 +9,7 @@ the final answer, scored by the GSM8K verifier (strict: it wants `#### N`).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from pipeline.envs.sandbox import SandboxLimits, SandboxResult, run_python
 from pipeline.envs.types import Environment, Episode, StepResult
@@ -36,6 +36,11 @@ class PythonToolEnv(Environment):
     from the end for errors), `max_calls` per episode (calls after that are answered with a
     notice, as tool errors), `instruction` (reset returns INSTRUCTION instead of "").
     A step may take `timeout_s` plus a process start: keep the pool's step timeout above it."""
+
+    # no stop strings: a turn ends at end-of-sequence. "```" cannot be one: it would end the
+    # turn at a block's opening fence, before the code, and the driver wants one-token stop
+    # strings (it is three for the char tokenizer). The last block runs even when unclosed.
+    stop: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,

@@ -456,11 +456,14 @@ class Controller:
             "incarnations": self.state.incarnations,
             **self.accounting.summary(),
         }
+        told_at = time.time()
         told = await control.broadcast(
             Shutdown(reason="run finished" if finished.is_set() else "stopped")
         )
-        # the supervisor waits for these to save; any other service has nothing to save
+        # the supervisor waits for these to save; any other service, or one started after
+        # `told_at` under a told name (a restart), has nothing to save
         summary["told_to_stop"] = sorted(set(told))
+        summary["told_at"] = told_at
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         await asyncio.sleep(0.2)
         for task in [*tasks, *waiters]:

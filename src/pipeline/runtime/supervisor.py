@@ -51,6 +51,7 @@ class Child:
     budget: RestartBudget | None = None
     log_file: IO[bytes] | None = None
     exits: list[int] = field(default_factory=list)
+    started_at: float = 0.0  # wall time of the live process's start
 
     @property
     def name(self) -> str:
@@ -118,8 +119,11 @@ class Supervisor:
             env=env,
             start_new_session=True,
         )
+        child.started_at = time.time()
         self.log.info("service_started", service=child.name, pid=child.proc.pid)
-        self.events.append({"time": time.time(), "service": child.name, "started": child.proc.pid})
+        self.events.append(
+            {"time": child.started_at, "service": child.name, "started": child.proc.pid}
+        )
 
     def pids(self) -> dict[str, int]:
         return {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}
@@ -149,14 +153,18 @@ class Supervisor:
 
     def _stop_untold(self) -> None:
         """SIGTERM the services the controller did not tell to stop: restarted as the run
-        ended, they never joined it and have nothing to save (they would wait for a
-        controller's answer while the supervisor waited for their save)."""
+        ended (or after they were told), they never joined it and have nothing to save
+        (they would wait for a controller's answer while the supervisor waited for their
+        save)."""
         try:
-            told = json.loads((self.run_dir / "summary.json").read_text())["told_to_stop"]
-        except (OSError, ValueError, KeyError):
+            summary = json.loads((self.run_dir / "summary.json").read_text())
+            told, told_at = summary["told_to_stop"], float(summary["told_at"])
+        except (OSError, ValueError, KeyError, TypeError):
             return
         for child in self._live():
-            if child.role != "controller" and child.name not in told:
+            if child.role == "controller":
+                continue
+            if child.name not in told or child.started_at > told_at:
                 self.log.info("service_not_in_run", service=child.name, pid=child.proc.pid)
                 self._signal(child, signal.SIGTERM)
 

@@ -1,0 +1,35 @@
+"""The project's learner, whose first incarnation dies (SIGKILL) as soon as the
+controller tells it the run is over: the supervisor restarts it just as the run ends.
+`DIE_MARKER`: a file that marks the first incarnation as gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from services.learner import LearnerService
+
+ENV = "DIE_MARKER"
+
+
+class DyingLearner(LearnerService):
+    async def teardown(self) -> None:
+        marker = Path(os.environ[ENV])
+        if not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        await super().teardown()
+
+
+SERVICE = DyingLearner
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.runtime.cli_args import run_service
+
+    return run_service("learner", DyingLearner, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

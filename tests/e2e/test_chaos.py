@@ -179,7 +179,12 @@ def _corrupt_latest(run_dir: Path) -> str:
     return latest.name
 
 
-def _act(proc: subprocess.Popen, run_dir: Path, action: str, arg, stats: dict) -> None:
+def _act(proc: subprocess.Popen, run_dir: Path, action: str, arg, stats: dict):
+    """Start one event; a pause, rogue peers or starvation last their seconds in a thread
+    (returned) while the run and the schedule go on: a run faster than the event would
+    otherwise be over before the next one."""
+    import threading
+
     from pipeline.config import load_config
     from tests.e2e.test_forged_peers import _forge
 
@@ -191,42 +196,50 @@ def _act(proc: subprocess.Popen, run_dir: Path, action: str, arg, stats: dict) -
             stats["corrupted"].append(_corrupt_latest(run_dir))
         os.kill(pid, signal.SIGKILL)
         stats["kills"] += 1
-    elif action == "pause":
+        return None
+    if action == "pause":
         role, seconds = arg
         pid = _service_pid(proc.pid, role)
         assert pid is not None, f"no {role} process"
         os.kill(pid, signal.SIGSTOP)
-        try:
-            time.sleep(seconds)
-        finally:
-            os.kill(pid, signal.SIGCONT)
         stats["pauses"] += 1
-    elif action == "rogue":
-        import threading
 
+        def event() -> None:
+            time.sleep(seconds)
+            os.kill(pid, signal.SIGCONT)
+    elif action == "rogue":
         config = load_config(
             "profiles/local-cpu.toml",
             {"run.runs_dir": str(run_dir.parent), "run.name": run_dir.name},
         )
-        stop, sent = threading.Event(), [0]
-        rogue = threading.Thread(target=_forge, args=(config, stop, sent), daemon=True)
-        rogue.start()
-        time.sleep(arg)
-        stop.set()
-        rogue.join(10)
-        stats["forged"] += sent[0]
-    elif action == "starve":
-        busy = [
-            subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(os.cpu_count() or 2)
-        ]
-        try:
+
+        def event() -> None:
+            stop, sent = threading.Event(), [0]
+            rogue = threading.Thread(target=_forge, args=(config, stop, sent), daemon=True)
+            rogue.start()
             time.sleep(arg)
-        finally:
-            for p in busy:  # by pid
-                p.kill()
-                p.wait()
-        stats["starved_s"] += arg
+            stop.set()
+            rogue.join(10)
+            stats["forged"] += sent[0]
+    elif action == "starve":
+
+        def event() -> None:
+            busy = [
+                subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(os.cpu_count() or 2)
+            ]
+            try:
+                time.sleep(arg)
+            finally:
+                for p in busy:  # by pid
+                    p.kill()
+                    p.wait()
+            stats["starved_s"] += arg
+    else:
+        raise ValueError(action)
+    thread = threading.Thread(target=event, daemon=True)
+    thread.start()
+    return thread
 
 
 def _chaos(tmp_path: Path, profile: str, steps: int, schedule: list, *extra: str) -> None:
@@ -249,16 +262,20 @@ def _chaos(tmp_path: Path, profile: str, steps: int, schedule: list, *extra: str
     stats = {"kills": 0, "pauses": 0, "forged": 0, "starved_s": 0.0, "corrupted": []}
     recovery: list[float] = []
     started = time.monotonic()
+    events = []
     try:
         for at, action, arg in schedule:
             _wait_steps(proc, run_dir, at, log_path)
             began, step = time.monotonic(), _steps(run_dir)
-            _act(proc, run_dir, action, arg, stats)
+            events.append(_act(proc, run_dir, action, arg, stats))
             while _steps(run_dir) <= step and proc.poll() is None:  # or the run ended
                 time.sleep(0.1)
             recovery.append(round(time.monotonic() - began, 1))
         assert proc.wait(timeout=900) == 0, log_path.read_text()[-3000:]
     finally:
+        for event in events:
+            if event is not None:
+                event.join(120)
         _stop(proc)
         log.close()
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -151,7 +151,15 @@ def test_a_rollout_killed_mid_episode_loses_no_episode(tmp_path: Path) -> None:
             assert rollout is not None, "no rollout process under the supervisor"
             workers = [p for p, cmd in _children(rollout).items() if "pipeline.envs.worker" in cmd]
             assert len(workers) == 4, _children(rollout)
-            in_flight = _open_episodes(run_dir)
+            # stopped while counted: no episode ends between the count and the kill; a rollout
+            # that ran ahead of the learner and holds none is let go on until it holds some
+            while True:
+                os.kill(rollout, signal.SIGSTOP)
+                in_flight = _open_episodes(run_dir)
+                if in_flight or _steps(run_dir) >= steps - 1:
+                    break
+                os.kill(rollout, signal.SIGCONT)
+                time.sleep(0.05)
             os.kill(rollout, signal.SIGKILL)
             killed_at = _steps(run_dir)
             # its environment workers notice the orphaning and exit by themselves

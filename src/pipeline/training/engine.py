@@ -413,17 +413,10 @@ class TrainEngine:
                         for mb, weight, share in zip(
                             plan.micro_batches, plan.weights, plan.shares, strict=True
                         ):
-                            self.begin_forward()
-                            with record_function("train/forward"):
-                                loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
-                            with record_function("train/backward"):
-                                if loss is None:
-                                    anchor.backward()
-                                    continue
-                                (loss * weight).backward()
-                                if self._compute is not None:  # into the float32 accumulators
-                                    self._compute.flush()
-                            bad |= ~torch.isfinite(loss.detach())
+                            loss, metrics = self._forward_backward(micro_loss, mb, weight)
+                            if loss is None:
+                                continue
+                            bad |= ~torch.isfinite(loss)
                             stats.local_tokens += mb.num_tokens
                             sums.add_all(metrics, scale=share)
                     with record_function("train/optimizer"):
@@ -434,6 +427,26 @@ class TrainEngine:
                             empty = plan.global_units == 0
                             stats.count(self.apply_gradients(bool(bad), empty=empty))
         return stats
+
+    def _forward_backward(
+        self, micro_loss: MicroLoss, mb: MicroBatch, weight: float
+    ) -> tuple[Tensor | None, Metrics]:
+        """One micro-batch's forward and backward: its loss, detached (None for a
+        micro-batch with nothing to train, whose anchor only carries the gradients' shape),
+        and its metrics. The graph dies on return: kept alive into the next forward, it
+        would keep AccumulateGrad nodes of the default stream alive, which the backward of
+        a CUDA graph capture then has to sync with (cudaErrorStreamCaptureImplicit)."""
+        self.begin_forward()
+        with record_function("train/forward"):
+            loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
+        with record_function("train/backward"):
+            if loss is None:
+                anchor.backward()
+                return None, metrics
+            (loss * weight).backward()
+            if self._compute is not None:  # into the float32 accumulators
+                self._compute.flush()
+        return loss.detach(), metrics
 
     # -- checkpoints ------------------------------------------------------------------
 

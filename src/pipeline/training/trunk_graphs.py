@@ -25,9 +25,10 @@ trunk as it is (`None` back to the caller).
 Known: the parameters' gradient accumulators are created during the capture, on the side
 stream make_graphed_callables captures on, and live on with the captured autograd graph;
 autograd warns once that their stream differs and syncs the two streams in each backward.
-An accumulator of the default stream kept alive from an earlier step cannot be synced with
-inside a capture (seen in the KL-PPO warm-up on an H200): a failed training capture turns
-the training graphs off for the run and the trunk trains itself.
+An accumulator of the default stream alive at a capture cannot be synced with inside it
+(cudaErrorStreamCaptureImplicit): the trainer lets each micro-batch's graph die before the
+next forward (`TrainEngine._forward_backward`) so that none is. Should a capture fail all
+the same, the training graphs go off for the run and the trunk trains itself.
 """
 
 from __future__ import annotations

@@ -4,54 +4,27 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.cli_run import assert_replay_matches, cli_run, step_records
 
 
 @pytest.fixture(scope="module")
 def learning_run(tmp_path_factory) -> Path:
-    runs = tmp_path_factory.mktemp("runs")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "run",
-            "--name",
-            "learn",
-            "--no-progress",
-            "--profile",
-            str(REPO / "profiles/local-cpu.toml"),
-            "--run.runs_dir",
-            str(runs),
-            "--controller.steps",
-            "80",
-            "--controller.max_staleness",
-            "2",
-            # KL to the reference as a loss term: logged as kl/k1..k3
-            "--algorithm.use_kl_loss",
-            "true",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    return cli_run(
+        tmp_path_factory.mktemp("runs"),
+        "learn",
+        *("--controller.steps", "80", "--controller.max_staleness", "2"),
+        # KL to the reference as a loss term: logged as kl/k1..k3
+        *("--algorithm.use_kl_loss", "true"),
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return runs / "learn"
-
-
-def _steps(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics/steps.jsonl").read_text().splitlines()]
 
 
 def test_reward_goes_up(learning_run):
-    rewards = [s["reward_mean"] for s in _steps(learning_run)]
+    rewards = [s["reward_mean"] for s in step_records(learning_run)]
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-20:])
     # 80 of the profile's 500 steps: the rise is clear but its size varies run to run
     assert last > first + 0.05, (first, last)
@@ -72,7 +45,7 @@ def test_every_released_uid_is_trained_once_or_dropped(learning_run):
 def test_staleness_never_exceeds_the_bound_and_metrics_are_logged(learning_run):
     from pipeline.recording import QueueReader
 
-    steps = _steps(learning_run)
+    steps = step_records(learning_run)
     # from what the learner was given and when the controller says it trained it, not from
     # the learner's own filter: every trained sample's oldest token within 2 versions
     step_of = {}
@@ -97,38 +70,5 @@ def test_staleness_never_exceeds_the_bound_and_metrics_are_logged(learning_run):
 
 def test_replay_of_the_async_run_reproduces_the_learner_bit_for_bit(learning_run, tmp_path):
     """Only the learner runs: the recorded queue and the controller's schedule drive it."""
-    from safetensors.torch import load_file
-
-    out = tmp_path / "replay"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "replay",
-            str(learning_run),
-            "--service",
-            "learner",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    original = {s["step"]: s for s in _steps(learning_run)}
-    replayed = [
-        json.loads(x)
-        for x in (out / "metrics/learner-0.jsonl").read_text().splitlines()
-        if '"kind"' not in x
-    ]
-    assert [r["step"] for r in replayed] == sorted(original)
-    for r in replayed:
-        for key in ("actor/loss", "actor/pg_loss", "kl/k3", "actor/grad_norm"):
-            assert r[key] == original[r["step"]][key], (r["step"], key)
-    before = load_file(str(learning_run / "final_model/model.safetensors"))
-    after = load_file(str(out / "final_model/model.safetensors"))
-    assert before.keys() == after.keys()
-    assert all(before[k].equal(after[k]) for k in before)
+    keys = ("actor/loss", "actor/pg_loss", "kl/k3", "actor/grad_norm")
+    assert_replay_matches(learning_run, tmp_path / "replay", keys)

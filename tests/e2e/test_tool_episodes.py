@@ -18,11 +18,10 @@ import pytest
 
 from pipeline.recording import QueueReader
 from pipeline.samples import GroupArrays, read_group
-from tests.e2e.cli_run import REPO, cli_run, log_events, step_records
+from tests.e2e.cli_run import REPO, assert_replay_matches, cli_run, log_events, step_records
 from tests.e2e.test_chaos import _children, _service_pid, _steps, _stop
 
 PROFILE = "profiles/local-cpu-tool.toml"
-REPLAY = ("--service", "learner", "--out")
 FLAKY = f"{REPO / 'tests/envs/faulty_envs.py'}:FlakyLookupEnv"
 SHORT = (
     "--task.warm_start_steps", "0",  # nothing here needs the model to be good at the task
@@ -95,37 +94,14 @@ def test_a_flaky_environment_fails_episodes_not_the_run(flaky_run: Path) -> None
 def test_replay_of_a_multi_turn_async_run_reproduces_the_learner_bit_for_bit(
     flaky_run: Path, tmp_path: Path
 ) -> None:
-    from safetensors.torch import load_file
-
     steps = step_records(flaky_run)
     assert max(s["staleness_max"] for s in steps) == 1  # asynchronous (max_staleness 1)
     # the learner trained on episodes with environment tokens, and on failed ones
     scored = [s for g in recorded_groups(flaky_run, "scored").values() for s in g.samples]
     assert any(0 < s.extra["loss_mask"].sum() < len(s.extra["loss_mask"]) for s in scored)
     assert any(s.finish_reason.startswith("env_") for s in scored)
-    out = tmp_path / "replay"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "replay", str(flaky_run), *REPLAY, str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    original = {s["step"]: s for s in steps}
-    replayed = [
-        json.loads(x)
-        for x in (out / "metrics/learner-0.jsonl").read_text().splitlines()
-        if '"kind"' not in x
-    ]
-    assert [r["step"] for r in replayed] == sorted(original)
-    for r in replayed:
-        for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "mismatch/kl"):
-            assert r[key] == original[r["step"]][key], (r["step"], key)
-    before = load_file(str(flaky_run / "final_model/model.safetensors"))
-    after = load_file(str(out / "final_model/model.safetensors"))
-    assert before.keys() == after.keys()
-    assert all(before[k].equal(after[k]) for k in before)
+    keys = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "mismatch/kl")
+    assert_replay_matches(flaky_run, tmp_path / "replay", keys, timeout=300)
 
 
 def test_a_rollout_killed_mid_episode_loses_no_episode(tmp_path: Path) -> None:

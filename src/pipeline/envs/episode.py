@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pipeline.config.schema import EnvironmentConfig
 from pipeline.envs.pool import EnvFailure, EnvPool
-from pipeline.envs.types import Episode, StepResult
+from pipeline.envs.types import Episode, StepResult, field_means
 from pipeline.errors import ConfigError
 from pipeline.messages import Prompt, TensorRef
 from pipeline.samples import SampleArrays
@@ -100,12 +100,7 @@ class EpisodeDriver:
         done = await asyncio.gather(
             *(self.run_episode(prompt, prompt_ids, i) for i in range(prompt.n_samples))
         )
-        samples = [sample for sample, _ in done]
-        stats = {
-            f"rollout/{f.name}": float(np.mean([getattr(s, f.name) for _, s in done]))
-            for f in fields(EpisodeStats)
-        }
-        return samples, stats
+        return [sample for sample, _ in done], field_means([s for _, s in done], "rollout/")
 
     async def run_episode(
         self, prompt: Prompt, prompt_ids: np.ndarray, index: int

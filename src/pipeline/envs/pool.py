@@ -12,11 +12,11 @@ import asyncio
 import itertools
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipeline.child_worker import ChildLost, ChildTimeout, ChildWorker, close_workers
-from pipeline.envs.types import EnvironmentNotFound, Episode, StepResult
+from pipeline.envs.types import EnvironmentNotFound, Episode, StepResult, field_means
 from pipeline.envs.wire import DECODER, ENCODER, EnvClose, EnvHello, EnvOpen, EnvReply, EnvStep
 from pipeline.errors import PipelineError
 from pipeline.log import get_logger
@@ -42,7 +42,7 @@ class EnvCounters:
     restarts: int = 0
 
     def as_metrics(self, prefix: str) -> dict[str, float]:
-        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items()}
+        return field_means([self], prefix)
 
 
 class EnvPool:

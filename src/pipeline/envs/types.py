@@ -18,6 +18,8 @@ any state it likes between its calls; it is never pickled.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any, ClassVar
 
 import msgspec
@@ -82,3 +84,12 @@ def checked_result(value: Any) -> StepResult:
         if not isinstance(getattr(value, name), bool):
             raise TypeError(f"{name} is {type(getattr(value, name)).__name__}, not bool")
     return value
+
+
+def field_means(records: Sequence[Any], prefix: str) -> dict[str, float]:
+    """Each numeric field of the dataclass `records` as a metric `prefix + name`: its mean
+    over the records (one record: its value)."""
+    return {
+        f"{prefix}{f.name}": sum(float(getattr(r, f.name)) for r in records) / len(records)
+        for f in fields(records[0])
+    }

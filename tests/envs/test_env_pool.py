@@ -57,6 +57,14 @@ def make_pool():
             pool.close()
 
 
+async def pool_of_a_and_b(make_pool) -> tuple[EnvPool, int]:
+    """A pool of one worker that hosts the open episodes "a" and "b"; its worker's pid."""
+    pool = make_pool(workers=1)
+    await pool.open(episode("a"))
+    await pool.open(episode("b"))
+    return pool, pool.worker_pids[0]
+
+
 async def test_an_episode_opens_steps_and_closes(make_pool, tmp_path: Path) -> None:
     log = tmp_path / "closes"
     pool = make_pool(options={"log": str(log)}, workers=2)
@@ -95,10 +103,7 @@ async def test_coroutine_methods_are_awaited(make_pool) -> None:
 
 
 async def test_a_step_that_raises_fails_its_episode_only(make_pool) -> None:
-    pool = make_pool(workers=1)
-    await pool.open(episode("a"))
-    await pool.open(episode("b"))
-    pid = pool.worker_pids[0]
+    pool, pid = await pool_of_a_and_b(make_pool)
     with pytest.raises(EnvFailure) as failed:
         await pool.step("a", "raise")
     assert failed.value.kind == "error"
@@ -136,10 +141,7 @@ async def test_a_reset_that_raises_or_returns_no_text_is_an_error(make_pool) -> 
 async def test_garbage_from_step_is_an_error_and_the_worker_lives_on(
     make_pool, action: str, why: str
 ) -> None:
-    pool = make_pool(workers=1)
-    await pool.open(episode("a"))
-    await pool.open(episode("b"))
-    pid = pool.worker_pids[0]
+    pool, pid = await pool_of_a_and_b(make_pool)
     with pytest.raises(EnvFailure) as failed:
         await pool.step("a", action)
     assert failed.value.kind == "error" and why in str(failed.value), str(failed.value)
@@ -205,10 +207,7 @@ async def test_a_hung_reset_times_out(make_pool) -> None:
 
 
 async def test_a_worker_that_dies_in_user_code_is_replaced(make_pool) -> None:
-    pool = make_pool(workers=1)
-    await pool.open(episode("a"))
-    await pool.open(episode("b"))
-    old = pool.worker_pids[0]
+    pool, old = await pool_of_a_and_b(make_pool)
     with pytest.raises(EnvFailure) as died:
         await pool.step("a", "die")
     assert died.value.kind == "lost" and "died" in str(died.value)

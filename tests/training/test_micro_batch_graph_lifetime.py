@@ -36,10 +36,13 @@ def test_no_graph_of_an_earlier_micro_batch_is_alive_at_a_forward(tmp_path: Path
     config = TrainerConfig(device="cpu", max_tokens_per_micro_batch=24, mini_batches=2)
     trainer = PolicyTrainer(tmp_path / "model", config, AlgorithmConfig(use_kl_loss=True))
     seen: list[list[tuple[tuple[int, ...], str]]] = []
+    # alive before the step (other tests' leftovers in this process): none of its graphs
+    before = {id(t) for t in _graph_tensors()}
 
     def before_forward(module: torch.nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():
             mine = {id(a) for a in args if isinstance(a, torch.Tensor)}  # this forward's input
+            mine |= before
             seen.append(
                 [(tuple(t.shape), type(t.grad_fn).__name__) for t in _graph_tensors()
                  if id(t) not in mine]

@@ -413,10 +413,23 @@ class TrainEngine:
                         for mb, weight, share in zip(
                             plan.micro_batches, plan.weights, plan.shares, strict=True
                         ):
-                            loss, metrics = self._forward_backward(micro_loss, mb, weight)
-                            if loss is None:
-                                continue
-                            bad |= ~torch.isfinite(loss)
+                            self.begin_forward()
+                            with record_function("train/forward"):
+                                loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
+                            with record_function("train/backward"):
+                                if loss is None:
+                                    anchor.backward()
+                                    del anchor
+                                    continue
+                                (loss * weight).backward()
+                                if self._compute is not None:  # into the float32 accumulators
+                                    self._compute.flush()
+                            bad |= ~torch.isfinite(loss.detach())
+                            # the graph dies before the next forward: alive, it keeps the
+                            # parameters' AccumulateGrad nodes of the default stream alive,
+                            # which a CUDA graph capture's backward then has to sync with
+                            # (cudaErrorStreamCaptureImplicit, TrunkGraphs)
+                            del loss, anchor
                             stats.local_tokens += mb.num_tokens
                             sums.add_all(metrics, scale=share)
                     with record_function("train/optimizer"):
@@ -427,26 +440,6 @@ class TrainEngine:
                             empty = plan.global_units == 0
                             stats.count(self.apply_gradients(bool(bad), empty=empty))
         return stats
-
-    def _forward_backward(
-        self, micro_loss: MicroLoss, mb: MicroBatch, weight: float
-    ) -> tuple[Tensor | None, Metrics]:
-        """One micro-batch's forward and backward: its loss, detached (None for a
-        micro-batch with nothing to train, whose anchor only carries the gradients' shape),
-        and its metrics. The graph dies on return: kept alive into the next forward, it
-        would keep AccumulateGrad nodes of the default stream alive, which the backward of
-        a CUDA graph capture then has to sync with (cudaErrorStreamCaptureImplicit)."""
-        self.begin_forward()
-        with record_function("train/forward"):
-            loss, anchor, metrics = micro_loss(mb.to(self.info.device), mb)
-        with record_function("train/backward"):
-            if loss is None:
-                anchor.backward()
-                return None, metrics
-            (loss * weight).backward()
-            if self._compute is not None:  # into the float32 accumulators
-                self._compute.flush()
-        return loss.detach(), metrics
 
     # -- checkpoints ------------------------------------------------------------------
 

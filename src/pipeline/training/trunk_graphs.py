@@ -27,7 +27,7 @@ stream make_graphed_callables captures on, and live on with the captured autogra
 autograd warns once that their stream differs and syncs the two streams in each backward.
 An accumulator of the default stream alive at a capture cannot be synced with inside it
 (cudaErrorStreamCaptureImplicit): the trainer lets each micro-batch's graph die before the
-next forward (`TrainEngine._forward_backward`) so that none is. Should a capture fail all
+next forward (`TrainEngine.run_epochs`) so that none is. Should a capture fail all
 the same, the training graphs go off for the run and the trunk trains itself.
 """
 

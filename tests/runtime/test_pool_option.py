@@ -56,12 +56,11 @@ devices_per_replica = 1
 
 
 def test_pool_places_the_replica_on_that_pools_devices(tmp_path, monkeypatch):
-    profile = str(_profile(tmp_path))
-    args, config = service_args("rollout", ["--profile", profile, "--replica", "1"])
+    # the run secret service_args makes goes to tmp_path, not the repository's runs/
+    common = ["--profile", str(_profile(tmp_path)), "--run.runs_dir", str(tmp_path)]
+    args, config = service_args("rollout", [*common, "--replica", "1"])
     assert config.services["rollout"].pool == "train" and config.devices("rollout", 1) == [1]
-    args, config = service_args(
-        "rollout", ["--profile", profile, "--pool", "spare", "--replica", "1"]
-    )
+    args, config = service_args("rollout", [*common, "--pool", "spare", "--replica", "1"])
     assert args.pool == "spare" and config.services["rollout"].pool == "spare"
     assert config.services["rollout"].devices_per_replica == 1  # the rest of the placement
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

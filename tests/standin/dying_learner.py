@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 from services.learner import LearnerService
+from tests.standin import service_main
 
 ENV = "DIE_MARKER"
 
@@ -24,11 +25,7 @@ class DyingLearner(LearnerService):
 
 SERVICE = DyingLearner
 
-
-def main(argv: list[str] | None = None) -> int:
-    from pipeline.runtime.cli_args import run_service
-
-    return run_service("learner", DyingLearner, argv)
+main = service_main("learner", DyingLearner)
 
 
 if __name__ == "__main__":

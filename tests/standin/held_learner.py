@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeline.learner_worker import TrainedStep
 from services.learner import LearnerService
+from tests.standin import service_main
 
 ENV = "HELD_LEARNER"
 
@@ -42,11 +43,7 @@ class HeldLearner(LearnerService):
 
 SERVICE = HeldLearner
 
-
-def main(argv: list[str] | None = None) -> int:
-    from pipeline.runtime.cli_args import run_service
-
-    return run_service("learner", HeldLearner, argv)
+main = service_main("learner", HeldLearner)
 
 
 if __name__ == "__main__":

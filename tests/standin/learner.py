@@ -4,6 +4,7 @@ nothing (the run's plumbing alone)."""
 from __future__ import annotations
 
 from services.learner import LearnerService
+from tests.standin import service_main
 
 
 class StandinLearner(LearnerService):
@@ -13,11 +14,7 @@ class StandinLearner(LearnerService):
 
 SERVICE = StandinLearner
 
-
-def main(argv: list[str] | None = None) -> int:
-    from pipeline.runtime.cli_args import run_service
-
-    return run_service("learner", StandinLearner, argv)
+main = service_main("learner", StandinLearner)
 
 
 if __name__ == "__main__":

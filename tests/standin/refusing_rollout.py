@@ -14,6 +14,7 @@ from typing import Any
 from pipeline.rollout_worker import prompts_in_flight, start_engine
 from pipeline.weight_link import runner_receiver
 from services.rollout import RolloutService
+from tests.standin import service_main
 
 ENV = "REFUSING_ROLLOUT"
 
@@ -41,11 +42,7 @@ class RefusingRollout(RolloutService):
 
 SERVICE = RefusingRollout
 
-
-def main(argv: list[str] | None = None) -> int:
-    from pipeline.runtime.cli_args import run_service
-
-    return run_service("rollout", RefusingRollout, argv)
+main = service_main("rollout", RefusingRollout)
 
 
 if __name__ == "__main__":

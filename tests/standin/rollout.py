@@ -7,6 +7,7 @@ import numpy as np
 from pipeline.messages import Prompt
 from pipeline.samples import SampleArrays
 from services.rollout import RolloutService
+from tests.standin import service_main
 
 
 class StandinRollout(RolloutService):
@@ -31,11 +32,7 @@ class StandinRollout(RolloutService):
 
 SERVICE = StandinRollout
 
-
-def main(argv: list[str] | None = None) -> int:
-    from pipeline.runtime.cli_args import run_service
-
-    return run_service("rollout", StandinRollout, argv)
+main = service_main("rollout", StandinRollout)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import asyncio
 import os
 
 from services.learner import LearnerService
+from tests.standin import service_main
 
 ENV = "SLOW_SAVE_S"
 
@@ -19,11 +20,7 @@ class SlowSavingLearner(LearnerService):
 
 SERVICE = SlowSavingLearner
 
-
-def main(argv: list[str] | None = None) -> int:
-    from pipeline.runtime.cli_args import run_service
-
-    return run_service("learner", SlowSavingLearner, argv)
+main = service_main("learner", SlowSavingLearner)
 
 
 if __name__ == "__main__":

@@ -41,12 +41,9 @@ def test_no_graph_of_an_earlier_micro_batch_is_alive_at_a_forward(tmp_path: Path
 
     def before_forward(module: torch.nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():
-            mine = {id(a) for a in args if isinstance(a, torch.Tensor)}  # this forward's input
-            mine |= before
-            seen.append(
-                [(tuple(t.shape), type(t.grad_fn).__name__) for t in _graph_tensors()
-                 if id(t) not in mine]
-            )  # fmt: skip
+            inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}  # this forward's
+            alive = [t for t in _graph_tensors() if id(t) not in before | inputs]
+            seen.append([(tuple(t.shape), type(t.grad_fn).__name__) for t in alive])
 
     trainer.model.model.register_forward_pre_hook(before_forward)
     trainer.train_step(make_batch(seed=5, n=12))

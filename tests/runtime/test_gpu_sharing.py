@@ -45,14 +45,22 @@ def test_a_daemon_that_runs_already_is_used(tmp_path):
     assert env == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
 
 
-def test_auto_takes_time_slicing_and_says_why():
-    """MPS measured slower than time-slicing for this workload (docs/performance.md)."""
-    config = load_config("profiles/h200-single.toml")
-    sharing = choose(config, which=_found, environ={})
-    assert sharing.mode == "time-slice" and "measured faster than MPS" in sharing.reason
+def test_auto_takes_mps_where_generation_runs_beside_training_and_says_why():
+    """Staleness >= 1 on a shared GPU: MPS, the trainers below normal priority
+    (docs/performance.md); staleness 0 or no shared GPU: time-slicing."""
+    sharing = choose(load_config("profiles/h200-single.toml"), which=_found, environ={})
+    assert sharing.mode == "mps" and sharing.priorities == {"critic": 1, "learner": 1}
+    sharing.directory = "/tmp/x"
     env: dict[str, str] = {}
     sharing.apply(env, "learner")
+    assert env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    sync = load_config("profiles/h200-single.toml", {"controller.max_staleness": "0"})
+    sync_sharing = choose(sync, which=_found, environ={})
+    assert sync_sharing.mode == "time-slice" and "staleness 0" in sync_sharing.reason
+    env = {}
+    sync_sharing.apply(env, "learner")
     assert env == {}
+    assert choose(sync, which=lambda name: None, environ={}).mode == "time-slice"
     cpu = choose(load_config("profiles/local-cpu.toml"), which=_found)
     assert (cpu.mode, cpu.reason) == ("time-slice", "no GPU is shared by two services")
     two = load_config("profiles/h200-x2.toml")
@@ -78,3 +86,22 @@ def test_a_daemon_that_does_not_start_leaves_time_slicing_or_refuses():
     assert not daemon.started
     with pytest.raises(ConfigError, match="-d failed"):
         MpsDaemon(choose(config, which=_found), {}).start(required=True)
+
+
+def test_a_role_below_normal_priority_gets_the_mps_client_priority_and_no_other_role_does():
+    overrides = {
+        "services.learner.gpu_priority": "below_normal",
+        "services.critic.gpu_priority": "normal",
+        "run.gpu_sharing": "mps",
+    }
+    sharing = choose(load_config("profiles/h200-single.toml", overrides), which=_found, environ={})
+    sharing.directory = "/tmp/x"
+    learner: dict[str, str] = {}
+    sharing.apply(learner, "learner")
+    critic = rollout = {"CUDA_MPS_CLIENT_PRIORITY": "1"}  # inherited: not theirs
+    sharing.apply(rollout, "rollout")
+    sharing.apply(critic, "critic")
+    assert learner["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in rollout and "CUDA_MPS_CLIENT_PRIORITY" not in critic
+    with pytest.raises(ConfigError, match="gpu_priority"):
+        load_config("profiles/h200-single.toml", {"services.learner.gpu_priority": "high"})

@@ -180,8 +180,13 @@ def gpu_sharing(run_dir: Path) -> str:
         sharing = json.loads((run_dir / "supervisor.json").read_text())["gpu_sharing"]
     except (OSError, ValueError, KeyError):
         return "unknown"
-    shares = ",".join(f"{k}={v}" for k, v in sorted(sharing.get("shares", {}).items()))
-    return f"{sharing['mode']} ({sharing['reason']}){' shares ' + shares if shares else ''}"
+    text = f"{sharing['mode']} ({sharing['reason']})"
+    if sharing["mode"] != "mps":
+        return text
+    for key in ("shares", "priorities"):
+        if found := ",".join(f"{k}={v}" for k, v in sorted(sharing.get(key, {}).items())):
+            text += f" {key} {found}"
+    return text
 
 
 PRESETS = {

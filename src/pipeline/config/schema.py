@@ -12,6 +12,10 @@ from pipeline.roles import QUEUES, ROLES, TRAINER_ROLES
 from pipeline.training.config import TrainerConfig
 from pipeline.transport.channel import ChannelConfig
 
+# CUDA_MPS_CLIENT_PRIORITY of each services.ROLE.gpu_priority
+GPU_PRIORITIES = {"normal": 0, "below_normal": 1}
+GPU_PRIORITY_CHOICES = ("auto", *GPU_PRIORITIES)
+
 
 def _require(key: str, value: object, ok: bool, rule: str) -> None:
     """Refuse `key` = `value` unless `ok`, saying the rule it breaks."""
@@ -56,7 +60,8 @@ class RunConfig:
     allow_insecure: bool = False
     # services sharing one GPU: "mps" runs their kernels side by side under a CUDA MPS
     # daemon of the run's own, "time-slice" lets them take turns (the driver's default),
-    # "auto": time-slicing, measured faster for this pipeline (the run log says why)
+    # "auto": MPS where the rollout shares a GPU at staleness >= 1 and the MPS tools are
+    # there (measured faster on one H200), time-slicing otherwise; the run log says why
     gpu_sharing: Literal["auto", "mps", "time-slice"] = "auto"
 
     def validate(self) -> None:
@@ -111,6 +116,10 @@ class PlacementConfig:
     # under CUDA MPS (run.gpu_sharing), the percentage of the GPU's SMs this role's
     # kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 0: no limit
     gpu_share: int = 0
+    # under CUDA MPS, this role's scheduling priority among the GPU's clients
+    # (CUDA_MPS_CLIENT_PRIORITY): "normal", "below_normal" (the others' kernels take the SMs
+    # first), or "auto": normal for the rollout, below normal for every other role
+    gpu_priority: str = "auto"
     # the `python -m` module that serves this role: empty for the project's own
     # (services.<role>); yours subclasses that service and ends with `SERVICE = YourClass`
     # and the same main() (pipeline.runtime.cli_args.run_service)
@@ -129,6 +138,12 @@ class PlacementConfig:
         _require("services.*.first_device", self.first_device, self.first_device >= 0, ">= 0")
         _require(
             "services.*.gpu_share", self.gpu_share, 0 <= self.gpu_share <= 100, "between 0 and 100"
+        )
+        _require(
+            "services.*.gpu_priority",
+            self.gpu_priority,
+            self.gpu_priority in GPU_PRIORITY_CHOICES,
+            f"to one of {list(GPU_PRIORITY_CHOICES)}",
         )
 
     def check_role(self, role: str) -> None:

@@ -2,11 +2,12 @@
 
 Separate processes on one GPU take turns by default (time-slicing): a decode step waits
 for the learner's kernels and the reverse, and an asynchronous run is no faster than a
-synchronous one. Under CUDA MPS their kernels run side by side on the GPU's SMs; each
-service's `services.ROLE.gpu_share` caps its share of the SMs
-(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so that training beside it leaves decode the SMs it
-needs. The supervisor starts a control daemon of its own (its pipe and log directories in a
-private temporary directory) before the services and stops it after them.
+synchronous one. Under CUDA MPS their kernels run side by side on the GPU's SMs. Each
+service's `services.ROLE.gpu_priority` (CUDA_MPS_CLIENT_PRIORITY; by default below normal
+for all but the rollout) lets decode's small kernels take the SMs first, and its
+`gpu_share` caps its share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). The supervisor
+starts a control daemon of its own (its pipe and log directories in a private temporary
+directory) before the services and stops it after them.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pipeline.config import PipelineConfig
-from pipeline.config.schema import ROLES
+from pipeline.config.schema import GPU_PRIORITIES, ROLES
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
-# why auto does not start MPS: the one-GPU e2e preset (GRPO, staleness 1, trunk graphs)
-# ran 146.7 samples/s time-sliced against 142.2 under MPS and 138.0 with the learner held
-# to half the SMs: decode slowed more beside training than training gained
-AUTO_REASON = "time-slicing, measured faster than MPS for generation beside training"
+# why auto takes time-slicing at staleness 0: nothing runs beside generation then, and an
+# SM share would only slow the trainer down
+SYNC_REASON = "staleness 0: generation and training take turns"
+# MPS was measured for decode beside training, not for two trainers
+NO_ROLLOUT_REASON = "no rollout among them: time-slicing"
 DEFAULT_PIPE = "/tmp/nvidia-mps"  # where a daemon started without CUDA_MPS_PIPE_DIRECTORY listens
 
 
@@ -53,6 +55,7 @@ class GpuSharing:
     mode: str
     reason: str
     shares: dict[str, int] = field(default_factory=dict)  # role -> SM percentage
+    priorities: dict[str, int] = field(default_factory=dict)  # role -> MPS client priority
     directory: str = ""  # the run's own daemon's
     running: str = ""  # the pipe directory of a daemon already running: the services use it
 
@@ -69,12 +72,30 @@ class GpuSharing:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.shares[role])
         else:
             env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+        if self.priorities.get(role):
+            env["CUDA_MPS_CLIENT_PRIORITY"] = str(self.priorities[role])
+        else:
+            env.pop("CUDA_MPS_CLIENT_PRIORITY", None)
 
     def daemon_env(self, environ: dict[str, str]) -> dict[str, str]:
         env = dict(environ)
         env["CUDA_MPS_PIPE_DIRECTORY"] = f"{self.directory}/pipe"
         env["CUDA_MPS_LOG_DIRECTORY"] = f"{self.directory}/log"
         return env
+
+
+def _names(shared: dict[str, list[str]]) -> set[str]:
+    return {name for names in shared.values() for name in names}
+
+
+def client_priority(config: PipelineConfig, role: str) -> int:
+    """CUDA_MPS_CLIENT_PRIORITY of a role: its `gpu_priority`, where "auto" is below normal
+    for every role but the rollout (decode is a chain of small kernels that waits for free
+    SMs; training's large ones fill the SMs around it)."""
+    wanted = config.services[role].gpu_priority
+    if wanted == "auto":
+        wanted = "normal" if role == "rollout" else "below_normal"
+    return GPU_PRIORITIES[wanted]
 
 
 def running_daemon(environ: Mapping[str, str]) -> str:
@@ -90,9 +111,10 @@ def choose(
     environ: Mapping[str, str] = os.environ,
 ) -> GpuSharing:
     """What `run.gpu_sharing` means for this config on this host, before any daemon runs.
-    "mps" where it cannot be honoured is a ConfigError. "auto" takes time-slicing, with the
-    reason, unless an MPS daemon runs already: then the services are its clients anyway,
-    and it is used, not started again."""
+    "mps" where it cannot be honoured is a ConfigError. "auto" takes MPS where services
+    share a GPU at staleness >= 1 and the MPS tools are there, time-slicing otherwise, with
+    the reason. An MPS daemon that runs already is used, not started again: the services
+    are its clients anyway."""
     wanted = config.run.gpu_sharing
     shared = shared_gpus(config)
     shares = {
@@ -100,6 +122,8 @@ def choose(
         for role in config.services
         if config.services[role].gpu_share
     }
+    sharing = {name.rpartition("-")[0] for name in _names(shared)}
+    priorities = {role: p for role in sorted(sharing) if (p := client_priority(config, role))}
     if wanted == "time-slice":
         return GpuSharing("time-slice", "run.gpu_sharing = time-slice")
     if not shared:
@@ -111,10 +135,16 @@ def choose(
     gpus = ", ".join(f"{gpu} ({' '.join(names)})" for gpu, names in sorted(shared.items()))
     if running := running_daemon(environ):
         return GpuSharing(
-            "mps", f"shared GPUs: {gpus}; the MPS daemon at {running}", shares, running=running
+            "mps",
+            f"shared GPUs: {gpus}; the MPS daemon at {running}",
+            shares,
+            priorities,
+            running=running,
         )
-    if wanted == "auto":  # measured: MPS lost to time-slicing on one H200 (see AUTO_REASON)
-        return GpuSharing("time-slice", f"shared GPUs: {gpus}; {AUTO_REASON}")
+    if wanted == "auto" and config.controller.max_staleness == 0:
+        return GpuSharing("time-slice", f"shared GPUs: {gpus}; {SYNC_REASON}")
+    if wanted == "auto" and not any(n.startswith("rollout-") for n in _names(shared)):
+        return GpuSharing("time-slice", f"shared GPUs: {gpus}; {NO_ROLLOUT_REASON}")
     if which(MPS_CONTROL) is None:
         if wanted == "mps":
             raise ConfigError(
@@ -122,7 +152,7 @@ def choose(
                 "CUDA driver's MPS tools or set run.gpu_sharing = time-slice"
             )
         return GpuSharing("time-slice", f"{MPS_CONTROL} not found")
-    return GpuSharing("mps", f"shared GPUs: {gpus}", shares)
+    return GpuSharing("mps", f"shared GPUs: {gpus}", shares, priorities)
 
 
 class MpsDaemon:

@@ -262,6 +262,7 @@ class Supervisor:
             mode=self.sharing.mode,
             reason=self.sharing.reason,
             shares=self.sharing.shares,
+            priorities=self.sharing.priorities,
         )
 
     def run(self) -> int:
@@ -327,6 +328,7 @@ class Supervisor:
                             "mode": self.sharing.mode,
                             "reason": self.sharing.reason,
                             "shares": self.sharing.shares,
+                            "priorities": self.sharing.priorities,
                         },
                     },
                     indent=2,

@@ -306,6 +306,7 @@ def test_e2e_preset_cpu(tmp_path: Path) -> None:
     assert config["preset"] == "one-gpu ppo" and config["samples_per_step"] == 4 * 8
     assert config["critic_s_per_step"] > 0 and 0 <= config["idle_share.local"] < 1
     assert config["bound_max_s_per_step"] <= config["bound_sum_s_per_step"]
+    assert config["skipped_updates"] == 0  # counted: the bench fails a run that skipped
     run_config = json.loads((runs / "e2e-local-cpu-ppo-s0/config.json").read_text())
     assert run_config["task"]["max_prompt_tokens"] == 62 and run_config["rollout"]["ignore_eos"]
     assert run_config["algorithm"]["use_kl_loss"] and run_config["critic"]["enabled"]

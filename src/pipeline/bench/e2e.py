@@ -121,6 +121,12 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
         "train_busy_s_per_step": train_busy / (len(steps) - skip - 1),
         "samples_per_step": samples / (len(steps) - skip - 1),
         "mismatch_kl_step0": float(steps[0].get("mismatch/kl", float("nan"))),
+        # optimizer steps skipped for a non-finite loss or gradient: a run that skipped
+        # them trained on nothing, and its speed measures nothing
+        "skipped_updates": sum(
+            s.get("actor/skipped_updates", 0.0) + s.get("critic/skipped_updates", 0.0)
+            for s in steps
+        ),
     }
 
 
@@ -253,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['train_idle_share']:>10.2f}"
         )
     emit(figs)  # the file already holds these (written after the last run)
+    if bad := {level: r["skipped_updates"] for level, r in results.items() if r["skipped_updates"]}:
+        raise SystemExit(
+            f"skipped optimizer steps (non-finite loss or gradients) by staleness: {bad}"
+        )
 
 
 def figures(

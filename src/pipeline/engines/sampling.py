@@ -45,40 +45,6 @@ def truncate_top_k_top_p(
     return scaled.masked_fill(remove_by_id, float("-inf"))
 
 
-def row_chunks(vocab: int) -> int:
-    """How many pieces a row of `vocab` logits is reduced in: the most (a power of two, at
-    most 64) that split it evenly into pieces of at least 2048. One program per row left a
-    152k-vocabulary batch of 256 rows with too few programs to fill an H200 (the sampler
-    took 13 % of a decode step)."""
-    chunks = 1
-    while chunks < 64 and vocab % (2 * chunks) == 0 and vocab // (2 * chunks) >= 2048:
-        chunks *= 2
-    return chunks
-
-
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) of (b, vocab), reduced chunk by chunk (the first maximum, as argmax)."""
-    b, vocab = x.shape
-    chunks = row_chunks(vocab)
-    pieces = x.view(b, chunks, vocab // chunks)
-    inner = pieces.argmax(dim=-1)  # (b, chunks)
-    best = pieces.gather(2, inner[..., None]).squeeze(2)  # (b, chunks)
-    chunk = best.argmax(dim=-1)  # (b,) the first chunk holding the row's maximum
-    return chunk * (vocab // chunks) + inner.gather(1, chunk[:, None]).squeeze(1)
-
-
-def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """x.logsumexp(-1) of (b, vocab) float32, reduced chunk by chunk."""
-    b, vocab = x.shape
-    chunks = row_chunks(vocab)
-    pieces = x.view(b, chunks, vocab // chunks)
-    # a chunk of -inf only (masked tokens) has max -inf: clamped, its exps are 0, not nan
-    peak = pieces.amax(dim=-1).clamp_min(torch.finfo(x.dtype).min)  # (b, chunks)
-    sums = (pieces - peak[..., None]).exp().sum(dim=-1)  # (b, chunks)
-    top = peak.amax(dim=-1)  # (b,)
-    return top + (sums * (peak - top[:, None]).exp()).sum(dim=-1).log()
-
-
 def sample(
     logits: torch.Tensor,
     params: RowParams,
@@ -98,15 +64,13 @@ def sample(
     logits = logits.float()  # (b, vocab)
     greedy = params.temperature <= 0.0  # (b,)
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-    scaled = logits / temperature[:, None]  # (b, vocab); the logits themselves on greedy rows
+    scaled = logits / temperature[:, None]  # (b, vocab)
+    logprobs = scaled.log_softmax(dim=-1)  # (b, vocab)
     if all_greedy:
-        tokens = row_argmax(scaled)
-    elif truncate:
-        candidates = truncate_top_k_top_p(scaled, params.top_k, params.top_p)
-        drawn = row_argmax(candidates + noise(params.keys, params.token_index))  # (b,)
-        tokens = torch.where(greedy, row_argmax(scaled), drawn)  # (b,)
-    else:  # greedy rows draw with no noise: the argmax of their logits
-        keep = (~greedy).float()[:, None]  # (b, 1)
-        tokens = row_argmax(scaled + noise(params.keys, params.token_index) * keep)  # (b,)
-    token_logits = scaled.gather(1, tokens[:, None]).squeeze(1)  # (b,)
-    return tokens, token_logits - row_logsumexp(scaled)
+        tokens = logits.argmax(dim=-1)  # (b,)
+        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+    candidates = truncate_top_k_top_p(scaled, params.top_k, params.top_p) if truncate else scaled
+    drawn = (candidates + noise(params.keys, params.token_index)).argmax(dim=-1)  # (b,)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)  # (b,)
+    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)  # (b,)
+    return tokens, token_logprobs

@@ -71,6 +71,7 @@ class Controller:
         self.last_progress = self.started
         self.stepped = False  # a step finished since this controller started
         self.reward_failed_steps = 0  # steps in a row whose every reward failed
+        self.skipped_steps = 0  # steps in a row whose every optimizer step was skipped
         self.failure = ""  # why the run ends before its last step
 
     @property
@@ -321,6 +322,7 @@ class Controller:
             self.schedule.write(row)
         self.steps_log.write(line)
         self._note_rewards(line)
+        self._note_skipped_updates(line)
         self.last_progress = now
         self.stepped = True
         self.log.info("step_done", step=done.step, trained=line["trained"], dropped=line["dropped"])
@@ -346,6 +348,21 @@ class Controller:
                 "controller.reward_failure_steps sets how many end the run"
             )
             self.log.error("rewards_failing", steps=self.reward_failed_steps, error=self.failure)
+
+    def _note_skipped_updates(self, line: dict[str, Any]) -> None:
+        """Count the steps in a row whose every optimizer step the learner skipped; at the
+        limit, say why the run ends (`self.failure`)."""
+        updates, skipped = line.get("actor/updates", 0.0), line.get("actor/skipped_updates", 0.0)
+        self.skipped_steps = self.skipped_steps + 1 if updates and skipped >= updates else 0
+        limit = self.config.controller.skipped_update_steps
+        if limit and self.skipped_steps >= limit and not self.failure:
+            self.failure = (
+                f"the learner skipped every optimizer step of the last {self.skipped_steps} "
+                "steps (a non-finite loss or gradient: the policy diverged or a kernel is "
+                "wrong; actor/loss and actor/grad_norm in metrics/steps.jsonl show it); "
+                "controller.skipped_update_steps sets how many end the run"
+            )
+            self.log.error("updates_skipped", steps=self.skipped_steps, error=self.failure)
 
     def stall_limit(self) -> float:
         """Seconds without a finished step before the run counts as stalled: the first

@@ -154,6 +154,30 @@ def test_data_convert_gsm8k(tmp_path):
     assert bad.returncode == 2 and "row 0" in bad.stderr
 
 
+def test_a_run_whose_learner_skips_every_update_ends_with_an_error(tmp_path):
+    """A policy that diverges (lr 1e30: the first update's weights overflow the next
+    forward) makes every later loss non-finite: after controller.skipped_update_steps
+    steps with every optimizer step skipped the run ends, exit code 1, the reason on stderr
+    (it used to run to its last step and exit 0, having trained on nothing)."""
+    proc = _run(
+        tmp_path,
+        "diverged",
+        "--learner.trainer.lr",
+        "1e30",
+        "--controller.steps",
+        "12",
+        "--controller.skipped_update_steps",
+        "2",
+    )
+    said = _said(proc)
+    assert proc.returncode == 1, said
+    assert "skipped every optimizer step of the last 2 steps" in said, said
+    summary = json.loads((tmp_path / "runs/diverged/summary.json").read_text())
+    assert not summary["completed"] and summary["steps"] < 12
+    steps = [json.loads(x) for x in (tmp_path / "runs/diverged/metrics/steps.jsonl").open()]
+    assert steps[-1]["actor/skipped_updates"] == steps[-1]["actor/updates"] > 0
+
+
 def test_a_run_whose_every_reward_fails_ends_with_an_error(tmp_path):
     """Every verifier call raises: after controller.reward_failure_steps such steps in a
     row the run ends, exit code 1, the reason on stderr (issue 33, defect 9: exit 0)."""

@@ -203,6 +203,10 @@ class ControllerConfig:
     # steps in a row in which every sample's reward failed (the verifier raised or timed
     # out) before the run ends with an error; 0: never
     reward_failure_steps: int = 5
+    # steps in a row in which the learner skipped every optimizer step (a non-finite loss
+    # or gradient: the policy diverged, or a kernel is wrong) before the run ends with an
+    # error; 0: never
+    skipped_update_steps: int = 5
 
     def validate(self) -> None:
         if self.steps < 1 or self.prompts_per_step < 1:
@@ -223,6 +227,8 @@ class ControllerConfig:
         _seconds("controller.step_timeout_s", self.step_timeout_s)
         ok = self.reward_failure_steps >= 0
         _require("controller.reward_failure_steps", self.reward_failure_steps, ok, ">= 0")
+        ok = self.skipped_update_steps >= 0
+        _require("controller.skipped_update_steps", self.skipped_update_steps, ok, ">= 0")
         _seconds("controller.first_step_timeout_s", self.first_step_timeout_s, zero=True)
 
 

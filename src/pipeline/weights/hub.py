@@ -38,6 +38,13 @@ class Member:
     tp_size: int = 1
 
 
+def _replica_of(member: Member) -> tuple[str, int]:
+    """The engine replica a member is a rank of ("rollout-0" of "rollout-0.tp1"), with its
+    TP size."""
+    base = member.name.rpartition(".tp")[0] if member.tp_size > 1 else member.name
+    return base, member.tp_size
+
+
 # a reply handler: (member name, message) -> True when it is that member's answer
 OnReply = Callable[[str, Received], bool]
 
@@ -70,7 +77,16 @@ class WeightHub:
         return member.tp_rank, member.tp_size
 
     def names(self) -> list[str]:
-        return [m.name for m in sorted(self.members.values(), key=lambda m: (m.replica, m.name))]
+        """The members a weight group takes: whole-model engines, and the ranks of a
+        tensor-parallel replica once all of its ranks have registered (a replica's ranks
+        apply a version together: one alone in the group would wait for the others)."""
+        ranks: dict[tuple[str, int], set[int]] = {}
+        for m in self.members.values():
+            ranks.setdefault(_replica_of(m), set()).add(m.tp_rank)
+        complete = [
+            m for m in self.members.values() if ranks[_replica_of(m)] == set(range(m.tp_size))
+        ]
+        return [m.name for m in sorted(complete, key=lambda m: (m.replica, m.name))]
 
     def _register(self, rcv: Received) -> str | None:
         """Record a Hello; returns the name when it replaced a live member's incarnation."""

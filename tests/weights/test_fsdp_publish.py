@@ -4,7 +4,8 @@ engine-0 holds the full model; engine-1 is one process holding BOTH tensor-paral
 (tp=2) as two weight-group members ("engine-1.tp0", "engine-1.tp1"), each keeping its
 slice. Three configurations run in the same processes, 3 versions each: one 1 GiB bucket;
 2 KiB buckets (smaller than the largest tensor, so it spans buckets) with checksums; and
-2 KiB buckets sent by both learner ranks (striped). After every version each engine
+2 KiB buckets sent by both learner ranks (striped, each its buckets' shards to the TP
+ranks). After every version each engine
 tensor must equal the learner's full tensor cast to bfloat16 (or its TP slice) bit for bit.
 """
 
@@ -49,6 +50,8 @@ def test_fsdp_learner_publishes_bitwise_to_plain_and_tp_engines(procs, tmp_path)
         assert p0["sources"] == ["fsdp"]  # one bucketed all_gather, no per-tensor fallback
         assert p0["group_world"] == (5 if p0["config"] == "striped" else 4)
         assert p1["group_world"] == (5 if p1["config"] == "striped" else 0)
+        # the TP ranks get their shards alone, from every sender when striped
+        assert p0["resharded"] and p1["resharded"] == (p1["config"] == "striped")
     assert [p["version"] for p in published] == list(range(1, VERSIONS * len(CONFIGS) + 1))
     by_config = {p["config"]: p["buckets"] for p in published}
     assert by_config["default"] == 1 and by_config["small_verify"] > 3

@@ -66,6 +66,7 @@ def main() -> None:
             group = publisher.group  # this rank's weight-group membership, if any
             line |= {"group_world": group.spec.world if group else 0}
             line |= {"sources": sorted(set(publisher.gatherer.kinds().values()))}
+            line |= {"resharded": bool(publisher.layouts), "bytes": report.bytes}
             print(json.dumps(line), flush=True)
         publisher.close()
     dist.destroy_process_group()

@@ -4,8 +4,9 @@ One publish, in phases (each with its own deadline, each failure naming its phas
   group    rebuild the weight group when membership changed or the last sync failed
   meta     rank 0 sends WeightMeta; every engine validates it and answers; then go/abort
   buckets  per bucket: FSDP all_gather (cast first) -> rank 0 (or the owning rank when
-           striped) packs one flat buffer -> async broadcast on the weight group; two slots,
-           so gathering bucket k+1 overlaps sending bucket k
+           striped) packs one flat buffer -> async broadcast on the weight group (to TP
+           engine ranks: each layout's shards, sent to its engines); two slots, so
+           gathering bucket k+1 overlaps sending bucket k
   done     rank 0 waits for every engine's WeightDone (sent after its last bucket landed
            and the update was applied)
 Only rank 0 talks to engines; it shares decisions with the other learner ranks through
@@ -17,6 +18,7 @@ the engines that did not answer; an engine that registers again is included then
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -191,14 +193,18 @@ class WeightPublisher:
     # ------------------------------------------------------------------ resharding
 
     def _resharding(self) -> dict[str, tuple[int, int]]:
-        """Each member's (tp_rank, tp_size) when some engine is a TP rank and the buckets
-        go by group sends from rank 0 (gloo, NCCL; one sender); else {} (full tensors to
-        everyone: CUDA IPC slots are shared by all engines, striped senders broadcast)."""
-        if self.hub is None or self.transport == "cuda_ipc" or self.senders > 1:
-            return {}
-        layouts = {name: self.hub.layout(name) for name in self.members}
-        if all(size == 1 for _, size in layouts.values()):
-            return {}
+        """Each member's (tp_rank, tp_size) when some engine is a TP rank and the buckets go
+        by group sends (gloo, NCCL); else {} (full tensors to everyone: CUDA IPC slots are
+        shared by all engines). Striped, every sender learns them: each sends its own
+        buckets' shards."""
+        layouts: dict[str, tuple[int, int]] = {}
+        if self.hub is not None and self.transport != "cuda_ipc":
+            layouts = {name: self.hub.layout(name) for name in self.members}
+            if all(size == 1 for _, size in layouts.values()):
+                layouts = {}
+        if self.senders > 1:
+            text = self.comm.bcast_text(json.dumps(layouts) if layouts else "")
+            layouts = {k: (v[0], v[1]) for k, v in json.loads(text or "{}").items()}
         return layouts
 
     def _shard_plan(self, tp_rank: int, tp_size: int) -> BucketPlan:
@@ -370,7 +376,7 @@ class WeightPublisher:
                 self.gatherer.gather(k)
             return None
         if self.layouts:
-            return self._send_shards()
+            return self._send_shards(version)
         slots = self._buffers()
         ipc = None
         if self.transport == "cuda_ipc":
@@ -408,10 +414,10 @@ class WeightPublisher:
             log.info("weight_stripe_sent", rank=self.comm.rank, version=version, buckets=packed)
         return failure
 
-    def _send_shards(self) -> tuple[str, str] | None:
-        """Rank 0 (the only sender): per full bucket, each layout's bucket of shards, sent
-        to that layout's engines alone; two slots per layout, so packing bucket k+1
-        overlaps sending bucket k."""
+    def _send_shards(self, version: int) -> tuple[str, str] | None:
+        """Per full bucket this rank owns (every bucket, but for striped senders), each
+        layout's bucket of shards, sent to that layout's engines alone; two slots per
+        layout, so packing bucket k+1 overlaps sending bucket k."""
         assert self.group is not None
         rank_of = {name: self.senders + i for i, name in enumerate(self.members)}
         by_layout: dict[tuple[int, int], list[str]] = {}
@@ -419,10 +425,12 @@ class WeightPublisher:
             by_layout.setdefault(lay, []).append(name)
         works: dict[tuple[int, int], list[list[Any]]] = {lay: [[], []] for lay in by_layout}
         failure: tuple[str, str] | None = None
+        owned = 0
         for k in range(self.plan.num_buckets):
             gathered = self.gatherer.gather(k)
-            if failure is not None:
-                continue
+            if failure is not None or k % self.senders != self.comm.rank:
+                continue  # keep joining the FSDP gathers so the other ranks do not block
+            owned += 1
             try:
                 for lay, names in by_layout.items():
                     plan = self._shard_plan(*lay)
@@ -444,6 +452,8 @@ class WeightPublisher:
                 failure = (peer, f"bucket {k} of {self.plan.num_buckets}: {exc}")
                 self._close_group()
         pending = [w for pair in works.values() for slot in pair for w in slot]
+        if self.config.striped:
+            log.info("weight_stripe_sent", rank=self.comm.rank, version=version, buckets=owned)
         return self._drain(pending) if failure is None else failure
 
     def _layout_slots(self, lay: tuple[int, int], nbytes: int) -> list[torch.Tensor]:

@@ -342,7 +342,8 @@ class WeightReceiver:
                 continue
             buf = slots[posted % 2][:size]  # alternate over the buckets that come
             posted += 1
-            work = group.recv(buf, 0) if layout.p2p else group.broadcast(buf, group.owner(k))
+            owner = group.owner(k)  # the learner rank that sends bucket k
+            work = group.recv(buf, owner) if layout.p2p else group.broadcast(buf, owner)
             pending.append((k, work, buf))
             if len(pending) == 2:
                 self._land(layout, *pending.popleft())

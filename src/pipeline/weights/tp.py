@@ -1,8 +1,8 @@
 """Tensor-parallel slicing of Llama / Qwen parameters for engines that shard their weights.
 
 Over gloo and NCCL the learner sends each TP engine rank only its shards
-(`weights/reshard.py`); over CUDA IPC and with striped senders it publishes full tensors and
-each rank keeps its slice (`Staging`). The split follows Megatron-style layers as vLLM shards them:
+(`weights/reshard.py`), from rank 0 or from each striped sender; over CUDA IPC it publishes
+full tensors and each rank keeps its slice (`Staging`). The split follows Megatron-style layers as vLLM shards them:
   column-parallel (split the output dim 0): q/k/v/gate/up projections (weights and biases)
   row-parallel (split the input dim 1): o_proj / down_proj weights; their biases replicated
   vocab-parallel (dim 0): embed_tokens, lm_head

@@ -26,6 +26,15 @@ def _said(proc: subprocess.CompletedProcess) -> str:
     return "\n".join(x for x in proc.stderr.splitlines() if not x.startswith("{"))
 
 
+def _ended_with(tmp_path: Path, reason: str, name: str, *extra: str) -> dict:
+    """Run `name`; it must end with exit code 1 and `reason` on stderr. Its summary."""
+    proc = _run(tmp_path, name, *extra)
+    said = _said(proc)
+    assert proc.returncode == 1, said
+    assert reason in said, said
+    return json.loads((tmp_path / f"runs/{name}/summary.json").read_text())
+
+
 def test_a_bad_dataset_row_and_a_missing_model_path_show_their_cause_on_stderr(tmp_path):
     data = tmp_path / "bad.jsonl"
     rows = [{"data_source": "x", "prompt": "hi", "reward_model": {"ground_truth": "1"}}]
@@ -159,20 +168,12 @@ def test_a_run_whose_learner_skips_every_update_ends_with_an_error(tmp_path):
     forward) makes every later loss non-finite: after controller.skipped_update_steps
     steps with every optimizer step skipped the run ends, exit code 1, the reason on stderr
     (it used to run to its last step and exit 0, having trained on nothing)."""
-    proc = _run(
+    summary = _ended_with(
         tmp_path,
-        "diverged",
-        "--learner.trainer.lr",
-        "1e30",
-        "--controller.steps",
-        "12",
-        "--controller.skipped_update_steps",
-        "2",
+        "skipped every optimizer step of the last 2 steps",
+        *("diverged", "--learner.trainer.lr", "1e30", "--controller.steps", "12"),
+        *("--controller.skipped_update_steps", "2"),
     )
-    said = _said(proc)
-    assert proc.returncode == 1, said
-    assert "skipped every optimizer step of the last 2 steps" in said, said
-    summary = json.loads((tmp_path / "runs/diverged/summary.json").read_text())
     assert not summary["completed"] and summary["steps"] < 12
     steps = [json.loads(x) for x in (tmp_path / "runs/diverged/metrics/steps.jsonl").open()]
     assert steps[-1]["actor/skipped_updates"] == steps[-1]["actor/updates"] > 0
@@ -181,18 +182,10 @@ def test_a_run_whose_learner_skips_every_update_ends_with_an_error(tmp_path):
 def test_a_run_whose_every_reward_fails_ends_with_an_error(tmp_path):
     """Every verifier call raises: after controller.reward_failure_steps such steps in a
     row the run ends, exit code 1, the reason on stderr (issue 33, defect 9: exit 0)."""
-    proc = _run(
+    summary = _ended_with(
         tmp_path,
-        "norewards",
-        "--reward.function",
-        "tests.standin.failing_reward:reward_fn",
-        "--controller.steps",
-        "8",
-        "--controller.reward_failure_steps",
-        "2",
+        "every reward failed in the last 2 steps",
+        *("norewards", "--reward.function", "tests.standin.failing_reward:reward_fn"),
+        *("--controller.steps", "8", "--controller.reward_failure_steps", "2"),
     )
-    said = _said(proc)
-    assert proc.returncode == 1, said
-    assert "every reward failed in the last 2 steps" in said, said
-    summary = json.loads((tmp_path / "runs/norewards/summary.json").read_text())
     assert not summary["completed"] and summary["steps"] == 2 and "verifier" in summary["failure"]

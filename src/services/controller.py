@@ -70,8 +70,8 @@ class Controller:
         self.started = time.time()
         self.last_progress = self.started
         self.stepped = False  # a step finished since this controller started
-        self.reward_failed_steps = 0  # steps in a row whose every reward failed
-        self.skipped_steps = 0  # steps in a row whose every optimizer step was skipped
+        # steps in a row whose every reward failed / every optimizer step was skipped
+        self.streaks = {"rewards_failing": 0, "updates_skipped": 0}
         self.failure = ""  # why the run ends before its last step
 
     @property
@@ -321,8 +321,7 @@ class Controller:
         for row in schedule_rows(entry):
             self.schedule.write(row)
         self.steps_log.write(line)
-        self._note_rewards(line)
-        self._note_skipped_updates(line)
+        self._note_failures(line)
         self.last_progress = now
         self.stepped = True
         self.log.info("step_done", step=done.step, trained=line["trained"], dropped=line["dropped"])
@@ -333,36 +332,38 @@ class Controller:
             Heartbeat(service="controller", policy_version=self.learner_version)
         )
 
-    def _note_rewards(self, line: dict[str, Any]) -> None:
-        """Count the steps in a row whose every reward failed; at the limit, say why the
-        run ends (`self.failure`)."""
+    def _note_failures(self, line: dict[str, Any]) -> None:
+        """Count the steps in a row whose every reward failed and those whose every
+        optimizer step the learner skipped; at a limit, say why the run ends
+        (`self.failure`)."""
+        cfg = self.config.controller
         trained, errors = line["trained"], line.get("reward_errors", 0.0)
-        self.reward_failed_steps = (
-            self.reward_failed_steps + 1 if trained and errors >= trained else 0
-        )
-        limit = self.config.controller.reward_failure_steps
-        if limit and self.reward_failed_steps >= limit:
-            self.failure = (
-                f"every reward failed in the last {self.reward_failed_steps} steps (the "
-                "verifier raised or timed out: read the reward services' logs); "
-                "controller.reward_failure_steps sets how many end the run"
-            )
-            self.log.error("rewards_failing", steps=self.reward_failed_steps, error=self.failure)
-
-    def _note_skipped_updates(self, line: dict[str, Any]) -> None:
-        """Count the steps in a row whose every optimizer step the learner skipped; at the
-        limit, say why the run ends (`self.failure`)."""
         updates, skipped = line.get("actor/updates", 0.0), line.get("actor/skipped_updates", 0.0)
-        self.skipped_steps = self.skipped_steps + 1 if updates and skipped >= updates else 0
-        limit = self.config.controller.skipped_update_steps
-        if limit and self.skipped_steps >= limit and not self.failure:
-            self.failure = (
-                f"the learner skipped every optimizer step of the last {self.skipped_steps} "
-                "steps (a non-finite loss or gradient: the policy diverged or a kernel is "
-                "wrong; actor/loss and actor/grad_norm in metrics/steps.jsonl show it); "
-                "controller.skipped_update_steps sets how many end the run"
-            )
-            self.log.error("updates_skipped", steps=self.skipped_steps, error=self.failure)
+        self._streak(
+            "rewards_failing",
+            bool(trained) and errors >= trained,
+            cfg.reward_failure_steps,
+            "every reward failed in the last {n} steps (the verifier raised or timed out: "
+            "read the reward services' logs); controller.reward_failure_steps sets how many "
+            "end the run",
+        )
+        self._streak(
+            "updates_skipped",
+            bool(updates) and skipped >= updates,
+            cfg.skipped_update_steps,
+            "the learner skipped every optimizer step of the last {n} steps (a non-finite "
+            "loss or gradient: the policy diverged or a kernel is wrong; actor/loss and "
+            "actor/grad_norm in metrics/steps.jsonl show it); controller.skipped_update_steps "
+            "sets how many end the run",
+        )
+
+    def _streak(self, event: str, hit: bool, limit: int, why: str) -> None:
+        """One more step of `event` in a row (or none: the count starts again); at `limit`
+        (0: never) the run ends with `why` unless it already ends for another reason."""
+        n = self.streaks[event] = self.streaks[event] + 1 if hit else 0
+        if limit and n >= limit and not self.failure:
+            self.failure = why.format(n=n)
+            self.log.error(event, steps=n, error=self.failure)
 
     def stall_limit(self) -> float:
         """Seconds without a finished step before the run counts as stalled: the first

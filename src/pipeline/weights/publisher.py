@@ -139,9 +139,9 @@ class WeightPublisher:
         if count == 0:
             log.info("weight_sync_skipped", version=version, reason="no engine registered")
             return SyncReport(version, [], self.generation, self.transport, 0, 0, 0.0)
-        if rebuild:
+        if rebuild:  # the members' layouts change only with the members
             self._rebuild(generation)
-        self.layouts = self._resharding()
+            self.layouts = self._resharding()
         phases["group"] = time.perf_counter() - t0
         checksums = self._checksums() if self.config.verify else None
         t = time.perf_counter()

@@ -3,6 +3,7 @@ exported to HF safetensors from the sharded model."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 from pathlib import Path
@@ -32,6 +33,10 @@ ALGORITHM = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
 
 
 def _worker(rank: int, rendezvous: str, root: str, phase: str) -> None:
+    # a worker that crashes in native code (one SIGSEGV of rank 1 in a make test on
+    # 2026-12-04, after the first phase's save; not reproduced in 9 runs alone) prints
+    # where its threads were
+    faulthandler.enable()
     torch.set_num_threads(1)
     # a rendezvous file, not a picked port: no race with other processes for the port
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)

@@ -224,7 +224,10 @@ def build_engine(ctx: Any) -> Any:
             "compile": config.rollout.compile,
             "overlap": config.rollout.overlap,
             "decode_kernel": None if config.rollout.decode_kernel else False,  # None: auto
+            "sample_kernel": None if config.rollout.sample_kernel else False,
         }
+    if config.rollout.engine == "torch":
+        options["shared_prefill"] = config.rollout.shared_prefill
     if config.rollout.engine == "torch" and ctx.ranks is not None:
         options["tp"] = tp_group(ctx)
     if config.rollout.engine == "vllm" and config.services["rollout"].tp > 1:

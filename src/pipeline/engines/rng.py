@@ -60,6 +60,10 @@ def sample_key(seed: int, sample_index: int) -> int:
     return _to_i32(mix32_int(sample_index ^ _INDEX_SALT ^ mix32_int(h)))
 
 
+# the hash's multipliers and its token-index salt as int32 bit patterns (the Triton sampler's)
+HASH_I32 = (_to_i32(_M1), _to_i32(_M2), _to_i32(_INDEX_SALT))
+
+
 class GumbelNoise:
     """Gumbel(0, 1) noise of shape (b, vocab) keyed by (sample key, token index)."""
 

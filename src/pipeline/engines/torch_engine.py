@@ -43,6 +43,7 @@ from typing import Literal
 
 import torch
 
+from pipeline.engines import sample_kernel
 from pipeline.engines.base import Engine
 from pipeline.engines.cuda_graphs import DecodeGraphs
 from pipeline.engines.errors import InvalidRequestError
@@ -89,6 +90,12 @@ class TorchEngineConfig:
     # decode attention by the Triton kernel that reads the KV cache in place (no per-layer
     # gather of the batch's keys/values); None: wherever it runs (CUDA half precision)
     decode_kernel: bool | None = None
+    # prefill one row per prompt of the admitted samples and copy its keys and values to its
+    # n - 1 siblings (same logits: only their noise differs)
+    shared_prefill: bool = True
+    # untruncated sampling (no top-k / top-p) by the Triton kernels of sample_kernel.py, one
+    # read of the logits; None: wherever they run (CUDA half precision)
+    sample_kernel: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -122,6 +129,20 @@ class _Sample:
     def truncates(self) -> bool:
         p = self.params
         return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
+
+
+def _prompt_groups(samples: list[_Sample]) -> tuple[list[int] | None, list[int]]:
+    """(index of each prompt's first sample, the position in that list of every sample's
+    prompt); None for the first where no two samples share a prompt."""
+    first: dict[str, int] = {}
+    leaders: list[int] = []
+    group: list[int] = []
+    for i, s in enumerate(samples):
+        g = first.setdefault(s.request_id, len(leaders))
+        if g == len(leaders):
+            leaders.append(i)
+        group.append(g)
+    return (leaders if len(leaders) < len(samples) else None), group
 
 
 @dataclass
@@ -179,10 +200,18 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         self.state = SlotState(cfg.max_batch, cfg.max_seq_len, self.device)
         self.noise = GumbelNoise(self.vocab_size, self.device)
         self.weights = ModelWeights(model)
-        self._sample = sample
+        self._sample_torch = sample
         if cfg.compile and self.device.type == "cuda":
             compile_for_decoding(model)
-            self._sample = torch.compile(sample, dynamic=True)
+            self._sample_torch = torch.compile(sample, dynamic=True)
+        probe = torch.empty(1, self.vocab_size, dtype=self.cache.k.dtype, device=self.device)
+        kernel_runs = sample_kernel.supported(probe)
+        if cfg.sample_kernel and not kernel_runs:
+            raise ConfigError(
+                "sample_kernel needs Triton and a CUDA half-precision model; set it to false "
+                "or leave it unset (auto)"
+            )
+        self.sample_kernel = kernel_runs if cfg.sample_kernel is None else cfg.sample_kernel
         self.graphs: DecodeGraphs | None = None
         if cfg.use_cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch)
@@ -382,9 +411,28 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         st = self.state
         st.tokens[slots[:, None], torch.where(positions >= 0, positions, st.sink)] = ids
         st.length[slots] = lens
-        logits = self.model.forward_cached(
-            ids, positions, slots, self.cache, kv_len=width, logits_at=lens - 1
-        )  # (k, vocab)
+        leaders, group = _prompt_groups(samples) if self.config.shared_prefill else (None, None)
+        if leaders is None:
+            logits = self.model.forward_cached(
+                ids, positions, slots, self.cache, kv_len=width, logits_at=lens - 1
+            )  # (k, vocab)
+        else:  # one forward per prompt; its siblings get copies of its keys and values
+            lead = torch.tensor(leaders, device=self.device)  # (u,)
+            logits = self.model.forward_cached(
+                ids[lead],
+                positions[lead],
+                slots[lead],
+                self.cache,
+                kv_len=width,
+                logits_at=lens[lead] - 1,
+            )  # (u, vocab)
+            rows = torch.tensor(group, device=self.device)  # (k,) prompt of each sample
+            leader = lead[rows]  # (k,) the sample that prefills it
+            copy = leader != torch.arange(len(samples), device=self.device)
+            src, dst = slots[leader][copy], slots[copy]  # (k - u,) each
+            for buf in (self.cache.k, self.cache.v):
+                buf[:, dst, :width] = buf[:, src, :width]
+            logits = logits[rows]  # (k, vocab)
         return self._emit(
             slots,
             logits,
@@ -424,9 +472,7 @@ class TorchEngine(ModuleWeightsEngine, Engine):
             keys=st.keys[slots],
             token_index=generated,
         )
-        tokens, logprobs = self._sample(  # (b,) each
-            logits, params, self.noise, truncate=truncate, all_greedy=all_greedy
-        )
+        tokens, logprobs = self._sample(logits, params, truncate=truncate, all_greedy=all_greedy)
         st.tokens[slots, length] = tokens
         st.logprobs[slots, length] = logprobs
         # a device scalar: a Python int here would copy host to device and synchronise
@@ -436,6 +482,23 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         finished = (hit_stop | (generated + 1 >= st.max_new[slots])) & ~done
         st.done[slots] = done | finished
         return finished
+
+    def _sample(
+        self, logits: torch.Tensor, params: RowParams, *, truncate: bool, all_greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (b,) and their log-probs (b,): by the Triton kernels where no row truncates."""
+        if self.sample_kernel and not truncate:
+            return sample_kernel.sample_rows(
+                logits,
+                params.temperature,
+                params.keys,
+                params.token_index,
+                self.noise.vocab_hash,
+                noise=not all_greedy,
+            )
+        return self._sample_torch(
+            logits, params, self.noise, truncate=truncate, all_greedy=all_greedy
+        )
 
     def _recompute_kv(self, samples: list[_Sample]) -> None:
         """Rebuild the cached keys/values of running samples under the current weights, in

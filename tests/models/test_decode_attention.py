@@ -45,6 +45,22 @@ def check(device, dtype, heads, kv_heads, d, atol):
     err = (out.cpu().double() - want).abs().max().item()
     assert err < atol, (heads, kv_heads, d, err)
     assert out[0].abs().max().item() == 0.0  # an empty row reads nothing
+    # with this step's keys and values: written at position length - 1 by the kernel (not
+    # by an empty row), attended to as if the cache had held them already
+    k_new = torch.randn(5, kv_heads, d, generator=g).to(device, dtype)
+    v_new = torch.randn(5, kv_heads, 2 * d, generator=g).to(device, dtype)[..., :d]  # strided
+    k_want, v_want = k.clone(), v.clone()
+    for i, (slot, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        if n:
+            k_want[slot, n - 1], v_want[slot, n - 1] = k_new[i], v_new[i]
+    k[slots, (lengths - 1).clamp(min=0)] = 7.0  # stale values at the written positions
+    v[slots, (lengths - 1).clamp(min=0)] = 7.0
+    k_want[slots[0], 0], v_want[slots[0], 0] = 7.0, 7.0  # the empty row's slot stays as it was
+    out = decode_attention(q, k, v, slots, lengths, 384, new=(k_new, v_new))
+    want = reference(q.cpu(), k_want.cpu(), v_want.cpu(), slots.cpu(), lengths.cpu())
+    err = (out.cpu().double() - want).abs().max().item()
+    assert err < atol, ("write", heads, kv_heads, d, err)
+    assert torch.equal(k, k_want) and torch.equal(v, v_want)
 
 for heads, kv_heads, d in [(14, 2, 64), (4, 4, 16), (8, 2, 32)]:
     check(DEVICE, DTYPE, heads, kv_heads, d, ATOL)

@@ -176,7 +176,6 @@ def attend(
     if spec.cache is not None:
         assert spec.slots is not None and spec.columns is not None
         cache, layer = spec.cache, attn.layer_idx
-        cache.write(layer, spec.slots, spec.columns, k, v)
         if spec.decode_lengths is not None:  # in place, no gather, no mask
             out = decode_attention(
                 q[:, 0].to(cache.k.dtype),  # (batch, heads, head_dim)
@@ -185,8 +184,11 @@ def attend(
                 spec.slots,
                 spec.decode_lengths,
                 spec.kv_len,
+                # the kernel writes this step's keys and values: no index_put pair per layer
+                new=(k[:, 0].to(cache.k.dtype), v[:, 0].to(cache.v.dtype)),
             )
             return out.to(q.dtype).reshape(b, s, attn.num_heads * attn.head_dim)
+        cache.write(layer, spec.slots, spec.columns, k, v)
         k, v = cache.read(layer, spec.slots, spec.kv_len, q.dtype)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),  # (batch, heads, seq, head_dim)

@@ -46,11 +46,15 @@ def decode_attention(
     slots: torch.Tensor,
     lengths: torch.Tensor,
     max_len: int,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v over positions [0, lengths[i]) of slot slots[i].
 
     q (b, heads, d); k_cache/v_cache (num_slots, columns, kv_heads, d) of one layer; slots and
     lengths (b,) int64; max_len >= every length (static, e.g. the CUDA graph's kv bucket).
+    new: this step's keys and values (b, kv_heads, d) each, in the cache's dtype: written to
+    position lengths[i] - 1 of each row by the kernel (rows of length 0 write nothing) and
+    attended to from registers, instead of a separate cache write before the call.
     Returns (b, heads, d) in q's dtype.
     """
     b, heads, d = q.shape
@@ -58,17 +62,20 @@ def decode_attention(
     group = heads // kv_heads
     splits = max(1, math.ceil(max_len / CHUNK))
     q = q.contiguous()
+    # unread without WRITE; the kernel reads head_dim with unit stride
+    k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in new or (q, q))
     m = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
     acc = torch.empty(b, heads, splits, d, dtype=torch.float32, device=q.device)
     _partial[(b, kv_heads, splits)](
-        q, k_cache, v_cache, slots, lengths, m, lse, acc,
+        q, k_cache, v_cache, slots, lengths, m, lse, acc, k_new, v_new,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         1.0 / math.sqrt(d),
         HEADS=heads, SPLITS=splits, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-        D=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N,
+        D=d, CHUNK=CHUNK, BLOCK_N=BLOCK_N, WRITE=new is not None,
     )  # fmt: skip
     out = torch.empty_like(q)
     _merge[(b, heads)](
@@ -81,13 +88,16 @@ if triton is not None:
 
     @triton.jit
     def _partial(
-        q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
+        q_ptr, k_ptr, v_ptr, slots_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, kn_ptr, vn_ptr,
         stride_qb, stride_qh, stride_ks, stride_kn, stride_kh, stride_vs, stride_vn, stride_vh,
+        stride_knb, stride_knh, stride_vnb, stride_vnh,
         scale,
         HEADS: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-        D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+        D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, WRITE: tl.constexpr,
     ):  # fmt: skip
-        """Softmax partials (max, sum, weighted values) of one row, KV head and chunk."""
+        """Softmax partials (max, sum, weighted values) of one row, KV head and chunk; with
+        WRITE, the chunk holding the row's last position stores this step's key and value
+        there and takes them from registers (its own loads of that position may be stale)."""
         row = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -107,12 +117,22 @@ if triton is not None:
         acc = tl.zeros((G_PAD, D), tl.float32)
         k_base = k_ptr + slot * stride_ks + kvh * stride_kh
         v_base = v_ptr + slot * stride_vs + kvh * stride_vh
+        last = length - 1
+        if WRITE:
+            k_new = tl.load(kn_ptr + row * stride_knb + kvh * stride_knh + d)  # (D,)
+            v_new = tl.load(vn_ptr + row * stride_vnb + kvh * stride_vnh + d)
+            at = d * 0 + last  # (D,): a vector mask
+            mine = (at >= split * CHUNK) & (at < split * CHUNK + CHUNK)
+            tl.store(k_base + last * stride_kn + d, k_new, mask=mine)
+            tl.store(v_base + last * stride_vn + d, v_new, mask=mine)
         for off in tl.static_range(0, CHUNK, BLOCK_N):
             n = split * CHUNK + off + tl.arange(0, BLOCK_N)
             valid = n < length
             k = tl.load(
                 k_base + n[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0
             )
+            if WRITE:
+                k = tl.where((n == last)[:, None], k_new[None, :], k)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # (G_PAD, BLOCK_N)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -123,6 +143,8 @@ if triton is not None:
             v = tl.load(
                 v_base + n[:, None] * stride_vn + d[None, :], mask=valid[:, None], other=0.0
             )
+            if WRITE:
+                v = tl.where((n == last)[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
         at = (row * HEADS + heads) * SPLITS + split  # (G_PAD,)

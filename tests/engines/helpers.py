@@ -115,6 +115,18 @@ def assert_same_sample(got: GenerationOutput, want: GenerationOutput, atol: floa
     )
 
 
+def assert_generations_match(
+    got: list[GenerationOutput], want: list[GenerationOutput], atol: float
+) -> None:
+    """Two engines' outputs for the same requests: the same tokens per (request, sample),
+    log-probs within atol."""
+    key = lambda o: (o.request_id, o.sample_index)  # noqa: E731
+    for g, w in zip(sorted(got, key=key), sorted(want, key=key), strict=True):
+        assert key(g) == key(w) and g.output_ids == w.output_ids, key(g)
+        worst = max((abs(a - b) for a, b in zip(g.logprobs, w.logprobs, strict=True)), default=0)
+        assert worst < atol, (key(g), worst)
+
+
 def tensor_bytes_held(obj: object, *, besides: Iterable[torch.Tensor]) -> int:
     """Bytes of the tensor storages reachable from `obj` (through containers, attributes and
     futures, not through modules or code) that none of `besides` shares."""

@@ -77,7 +77,7 @@ ENGINE_CHECK = """
 import sys
 sys.path.insert(0, "tests")
 from pipeline.engines import GenerationRequest, SamplingParams, TorchEngine, TorchEngineConfig
-from engines.helpers import make_model, prompts
+from engines.helpers import assert_generations_match, make_model, prompts
 
 def run(kernel):
     engine = TorchEngine(make_model(), TorchEngineConfig(max_batch=4, max_seq_len=64,
@@ -90,11 +90,7 @@ def run(kernel):
     return engine.generate([GenerationRequest(f"r{i}", p, s)
                             for i, (p, s) in enumerate(zip(batch, params))])
 
-key = lambda o: (o.request_id, o.sample_index)
-for got, want in zip(sorted(run(True), key=key), sorted(run(False), key=key), strict=True):
-    assert got.output_ids == want.output_ids, got.request_id
-    worst = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs))
-    assert worst < 1e-5, (got.request_id, worst)
+assert_generations_match(run(True), run(False), 1e-5)
 print("engine ok")
 """
 

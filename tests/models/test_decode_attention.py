@@ -71,7 +71,7 @@ ENGINE_CHECK = """
 import sys
 sys.path.insert(0, "tests")
 from pipeline.engines import GenerationRequest, SamplingParams, TorchEngine, TorchEngineConfig
-from engines.helpers import make_model, prompts
+from engines.helpers import assert_generations_match, make_model, prompts
 
 def run(decode_kernel):
     engine = TorchEngine(
@@ -86,10 +86,7 @@ def run(decode_kernel):
         [GenerationRequest(f"r{i}", p, s) for i, (p, s) in enumerate(zip(batch, params))]
     )
 
-for got, want in zip(run(True), run(False), strict=True):
-    assert got.output_ids == want.output_ids, got.request_id
-    worst = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs))
-    assert worst < 1e-4, (got.request_id, worst)
+assert_generations_match(run(True), run(False), 1e-4)
 print("engine ok")
 """
 

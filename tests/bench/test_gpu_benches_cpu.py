@@ -307,6 +307,10 @@ def test_e2e_preset_cpu(tmp_path: Path) -> None:
     assert config["critic_s_per_step"] > 0 and 0 <= config["idle_share.local"] < 1
     assert config["bound_max_s_per_step"] <= config["bound_sum_s_per_step"]
     assert config["skipped_updates"] == 0  # counted: the bench fails a run that skipped
+    # the rollout phase against the decode memory bound at this device's copy bandwidth
+    tokens = config["samples_per_step"] * 6 / config["gen_busy_s_per_step"]
+    assert config["gen_tokens_per_s"] == pytest.approx(tokens)
+    assert 0 < config["decode_bound_fraction"] < 1 and config["copy_bandwidth_bytes_per_s"] > 0
     run_config = json.loads((runs / "e2e-local-cpu-ppo-s0/config.json").read_text())
     assert run_config["task"]["max_prompt_tokens"] == 62 and run_config["rollout"]["ignore_eos"]
     assert run_config["algorithm"]["use_kl_loss"] and run_config["critic"]["enabled"]

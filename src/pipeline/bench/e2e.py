@@ -143,6 +143,49 @@ def shape_model(shape: str, directory: Path, device: str) -> list[str]:
     return ["--model.path", str(directory), "--task.warm_start_steps", "0"]
 
 
+def decode_bound(run_dir: Path, result: dict[str, float], shape: str, bandwidth: float):
+    """The rollout phase's generated tokens/s against the decode memory bound of
+    rollout_decode (every weight and each sample's cached keys and values read once a decode
+    step, at the copy bandwidth measured in this bench): where every sample runs to
+    max_new_tokens (ignore_eos) and one engine decodes a step's samples at once."""
+    import torch
+
+    from pipeline.bench.rollout_decode import (
+        decode_bound_tokens_per_s,
+        kv_bytes_per_token,
+        weight_bytes,
+    )
+    from pipeline.bench.shapes import SHAPES
+    from pipeline.config.profile import config_from_json
+    from pipeline.models import CausalLM
+
+    config = config_from_json((run_dir / "config.json").read_text())
+    batch = round(result["samples_per_step"])
+    if not config.rollout.ignore_eos or batch > config.rollout.max_batch:
+        return {}
+    model_config = SHAPES[shape]
+    with torch.device("meta"):
+        model = CausalLM(model_config)
+    elem = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    weights = weight_bytes(model, model_config) * elem // 4  # meta parameters are float32
+    new = config.rollout.max_new_tokens
+    bound = decode_bound_tokens_per_s(
+        batch,
+        config.task.max_prompt_tokens,
+        new,
+        weights,
+        kv_bytes_per_token(model_config, elem),
+        bandwidth,
+    )
+    tokens_per_s = batch * new / result["gen_busy_s_per_step"]
+    return {
+        "gen_tokens_per_s": tokens_per_s,
+        "decode_bound_tokens_per_s": bound,
+        "decode_bound_fraction": tokens_per_s / bound,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+    }
+
+
 def device_label(device: str) -> str:
     if device == "cpu":
         from pipeline.bench.common import cpu_device
@@ -178,6 +221,19 @@ def run_one(profile: str, steps: int, staleness: int, runs: Path, extra: list[st
     if proc.returncode != 0:
         raise SystemExit(f"run {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return runs / name
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a device-to-device copy (read plus written), before any run starts."""
+    import torch
+
+    from pipeline.bench.rollout_decode import copy_bandwidth as measured
+
+    on = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    bandwidth = measured(on)
+    if on.type == "cuda":
+        torch.cuda.empty_cache()  # the runs' own processes take the memory
+    return bandwidth
 
 
 def gpu_sharing(run_dir: Path) -> str:
@@ -245,9 +301,12 @@ def main(argv: list[str] | None = None) -> None:
             extra = [*workload_overrides(args.variant, Path(tmp) / "model", Path(tmp)), *extra]
         config["extra"] = " ".join(extra).replace(str(Path(tempfile.gettempdir())), "$TMP")
         runs = args.runs_dir or Path(tmp)
+        bandwidth = copy_bandwidth(args.device) if args.shape else 0.0
         for level in levels:
             run_dir = run_one(args.profile, args.steps, level, runs, extra)
             results[level] = measure(run_dir, args.skip)
+            if args.shape:
+                results[level].update(decode_bound(run_dir, results[level], args.shape, bandwidth))
             config[f"gpu_sharing_s{level}"] = gpu_sharing(run_dir)
             figs = figures(results, config, args)
             if args.json is not None:  # after every run: a bench killed at its limit keeps these

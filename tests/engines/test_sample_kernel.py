@@ -84,9 +84,9 @@ def run(kernel):
                                                          sample_kernel=kernel))
     assert engine.sample_kernel is kernel
     batch = prompts(3, [4, 9, 2], seed=5)
-    params = [SamplingParams(temperature=1.0, max_new_tokens=20, n=2, seed=3),
+    params = [SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=3),
               SamplingParams(temperature=0.0, max_new_tokens=9),
-              SamplingParams(temperature=0.7, max_new_tokens=15, seed=4)]
+              SamplingParams(temperature=0.7, max_new_tokens=10, seed=4)]
     return engine.generate([GenerationRequest(f"r{i}", p, s)
                             for i, (p, s) in enumerate(zip(batch, params))])
 

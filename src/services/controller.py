@@ -14,6 +14,7 @@ and carries on; services say hello to the new incarnation on their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -54,6 +55,9 @@ from pipeline.transport import ControlServer, QueueServer
 from pipeline.transport.control import PeerEvent
 from pipeline.transport.security import refused as refused_peers
 
+# seconds between looks at the release budget when no step moved it (acks free it too)
+RELEASE_POLL_S = 0.02
+
 
 class Controller:
     role = "controller"
@@ -73,6 +77,9 @@ class Controller:
         # steps in a row whose every reward failed / every optimizer step was skipped
         self.streaks = {"rewards_failing": 0, "updates_skipped": 0}
         self.failure = ""  # why the run ends before its last step
+        # set when a step is journaled (the staleness bound moves): the release loop sends
+        # the next step's prompts at once instead of at its next poll
+        self.budget_moved = asyncio.Event()
 
     @property
     def run_id(self) -> str:
@@ -284,7 +291,10 @@ class Controller:
                 self.record(release_record(batch))
                 for released in batch:
                     await prompts.send(*self.encode(released))
-            await asyncio.sleep(0.02)
+            # acks free budget too (no event for them): poll as well
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.budget_moved.wait(), RELEASE_POLL_S)
+            self.budget_moved.clear()
 
     # ------------------------------------------------------------------ inbox
 
@@ -318,6 +328,7 @@ class Controller:
             "line": line,
         }
         self.record(entry)
+        self.budget_moved.set()
         for row in schedule_rows(entry):
             self.schedule.write(row)
         self.steps_log.write(line)

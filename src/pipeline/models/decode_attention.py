@@ -121,8 +121,8 @@ if triton is not None:
         if WRITE:
             k_new = tl.load(kn_ptr + row * stride_knb + kvh * stride_knh + d)  # (D,)
             v_new = tl.load(vn_ptr + row * stride_vnb + kvh * stride_vnh + d)
-            at = d * 0 + last  # (D,): a vector mask
-            mine = (at >= split * CHUNK) & (at < split * CHUNK + CHUNK)
+            spot = d * 0 + last  # (D,): a vector mask
+            mine = (spot >= split * CHUNK) & (spot < split * CHUNK + CHUNK)
             tl.store(k_base + last * stride_kn + d, k_new, mask=mine)
             tl.store(v_base + last * stride_vn + d, v_new, mask=mine)
         for off in tl.static_range(0, CHUNK, BLOCK_N):

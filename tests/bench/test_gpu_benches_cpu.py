@@ -309,7 +309,7 @@ def test_e2e_preset_cpu(tmp_path: Path) -> None:
     assert config["skipped_updates"] == 0  # counted: the bench fails a run that skipped
     # the rollout phase against the decode memory bound at this device's copy bandwidth
     tokens = config["samples_per_step"] * 6 / config["gen_busy_s_per_step"]
-    assert config["gen_tokens_per_s"] == pytest.approx(tokens)
+    assert config["gen_tokens_per_s"] == pytest.approx(tokens, rel=1e-4)  # from rounded seconds
     assert 0 < config["decode_bound_fraction"] < 1 and config["copy_bandwidth_bytes_per_s"] > 0
     run_config = json.loads((runs / "e2e-local-cpu-ppo-s0/config.json").read_text())
     assert run_config["task"]["max_prompt_tokens"] == 62 and run_config["rollout"]["ignore_eos"]

@@ -164,10 +164,11 @@ def decode_bound(run_dir: Path, result: dict[str, float], shape: str, bandwidth:
     if not config.rollout.ignore_eos or batch > config.rollout.max_batch:
         return {}
     model_config = SHAPES[shape]
+    dtype = getattr(torch, config.model.dtype)
     with torch.device("meta"):
-        model = CausalLM(model_config)
-    elem = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
-    weights = weight_bytes(model, model_config) * elem // 4  # meta parameters are float32
+        model = CausalLM(model_config).to(dtype)
+    elem = dtype.itemsize
+    weights = weight_bytes(model, model_config)
     new = config.rollout.max_new_tokens
     bound = decode_bound_tokens_per_s(
         batch,

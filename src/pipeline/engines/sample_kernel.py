@@ -32,10 +32,10 @@ BLOCK = 2048  # vocabulary entries per inner step
 TARGET_PROGRAMS = 1024
 
 
-def supported(logits: torch.Tensor) -> bool:
-    """Triton present and CUDA half precision with unit stride over the vocabulary (or the
-    Triton interpreter, for tests)."""
-    return logits.dim() == 2 and logits.stride(-1) == 1 and half_kernel_runs(logits)
+def supported(output_weight: torch.Tensor) -> bool:
+    """Triton present and the output layer (whose dtype the logits have) in CUDA half
+    precision, or the Triton interpreter (tests)."""
+    return half_kernel_runs(output_weight)
 
 
 def _splits(rows: int, vocab: int) -> tuple[int, int]:
@@ -62,12 +62,13 @@ def sample_rows(
     noise=False: every row greedy (no noise drawn).
     """
     b, vocab = logits.shape
+    assert logits.stride(-1) == 1, "the kernels read the vocabulary with unit stride"
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
     if b == 0:
         return tokens, logprobs
     splits, per_split = _splits(b, vocab)
-    partial = torch.empty((4, b, splits), dtype=torch.float32, device=logits.device)
+    partial = torch.empty((3, b, splits), dtype=torch.float32, device=logits.device)
     best_ids = torch.empty((b, splits), dtype=torch.int32, device=logits.device)
     temperature = temperature.float().contiguous()
     _split_kernel[(b, splits)](

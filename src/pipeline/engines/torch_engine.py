@@ -131,18 +131,11 @@ class _Sample:
         return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
 
 
-def _prompt_groups(samples: list[_Sample]) -> tuple[list[int] | None, list[int]]:
-    """(index of each prompt's first sample, the position in that list of every sample's
-    prompt); None for the first where no two samples share a prompt."""
+def _prompt_leaders(samples: list[_Sample]) -> list[int]:
+    """Per sample, the index of the first sample of its request: the one that prefills the
+    prompt they share."""
     first: dict[str, int] = {}
-    leaders: list[int] = []
-    group: list[int] = []
-    for i, s in enumerate(samples):
-        g = first.setdefault(s.request_id, len(leaders))
-        if g == len(leaders):
-            leaders.append(i)
-        group.append(g)
-    return (leaders if len(leaders) < len(samples) else None), group
+    return [first.setdefault(s.request_id, i) for i, s in enumerate(samples)]
 
 
 @dataclass
@@ -204,8 +197,7 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         if cfg.compile and self.device.type == "cuda":
             compile_for_decoding(model)
             self._sample_torch = torch.compile(sample, dynamic=True)
-        probe = torch.empty(1, self.vocab_size, dtype=self.cache.k.dtype, device=self.device)
-        kernel_runs = sample_kernel.supported(probe)
+        kernel_runs = sample_kernel.supported(model.lm_head.weight)  # the logits' dtype
         if cfg.sample_kernel and not kernel_runs:
             raise ConfigError(
                 "sample_kernel needs Triton and a CUDA half-precision model; set it to false "
@@ -411,34 +403,47 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         st = self.state
         st.tokens[slots[:, None], torch.where(positions >= 0, positions, st.sink)] = ids
         st.length[slots] = lens
-        leaders, group = _prompt_groups(samples) if self.config.shared_prefill else (None, None)
-        if leaders is None:
-            logits = self.model.forward_cached(
-                ids, positions, slots, self.cache, kv_len=width, logits_at=lens - 1
-            )  # (k, vocab)
-        else:  # one forward per prompt; its siblings get copies of its keys and values
-            lead = torch.tensor(leaders, device=self.device)  # (u,)
-            logits = self.model.forward_cached(
-                ids[lead],
-                positions[lead],
-                slots[lead],
-                self.cache,
-                kv_len=width,
-                logits_at=lens[lead] - 1,
-            )  # (u, vocab)
-            rows = torch.tensor(group, device=self.device)  # (k,) prompt of each sample
-            leader = lead[rows]  # (k,) the sample that prefills it
-            copy = leader != torch.arange(len(samples), device=self.device)
-            src, dst = slots[leader][copy], slots[copy]  # (k - u,) each
-            for buf in (self.cache.k, self.cache.v):
-                buf[:, dst, :width] = buf[:, src, :width]
-            logits = logits[rows]  # (k, vocab)
+        logits = self._prefill_forward(samples, ids, positions, slots, lens)  # (k, vocab)
         return self._emit(
             slots,
             logits,
             truncate=any(s.truncates for s in samples),
             all_greedy=all(s.params.greedy for s in samples),
         )
+
+    def _prefill_forward(
+        self,
+        samples: list[_Sample],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """The prefill's last-token logits (k, vocab): with shared_prefill, one row per
+        prompt, its keys and values copied to its siblings' slots."""
+        width = ids.shape[1]
+        leader = _prompt_leaders(samples) if self.config.shared_prefill else list(range(len(ids)))
+        leaders = sorted(set(leader))
+        if len(leaders) == len(samples):
+            return self.model.forward_cached(
+                ids, positions, slots, self.cache, kv_len=width, logits_at=lens - 1
+            )
+        lead = torch.tensor(leaders, device=self.device)  # (u,)
+        logits = self.model.forward_cached(
+            ids[lead], positions[lead], slots[lead], self.cache, kv_len=width,
+            logits_at=lens[lead] - 1,
+        )  # fmt: skip
+        # indexed on the host: a boolean mask on the device would synchronise
+        siblings = [
+            (samples[j].slot, s.slot)
+            for i, (s, j) in enumerate(zip(samples, leader, strict=True))
+            if i != j
+        ]
+        src, dst = torch.tensor(siblings, device=self.device).unbind(1)  # (k - u,) each
+        for buf in (self.cache.k, self.cache.v):
+            buf[:, dst, :width] = buf[:, src, :width]
+        row = {j: r for r, j in enumerate(leaders)}
+        return logits[torch.tensor([row[j] for j in leader], device=self.device)]
 
     def _decode(self, view: _RunningView) -> torch.Tensor:
         """One token for every sample of `view`; finished flags (b,) in view order."""

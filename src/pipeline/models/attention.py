@@ -35,7 +35,8 @@ class AttentionSpec:
     attend as a (rows, length) causal batch, by cuDNN's kernel where `cudnn` says it serves
     (`cudnn_rows_supported`), else by SDPA. No mask, no cu_seqlens.
     cache/slots/columns/kv_len: set only on the KV-cache path; columns (b, t) are the cache
-    columns to write (padding already redirected to the sink) and kv_len the columns to read.
+    columns to write (padding already redirected to the sink; None on a kernel decode step,
+    whose kernel writes) and kv_len the columns to read.
     decode_lengths (b,): a decode step (t = 1) served by the in-place Triton kernel
     (models.decode_attention) over each row's first decode_lengths columns, with no mask.
     """
@@ -174,7 +175,7 @@ def attend(
 
             spec.mask = packed_causal_mask(spec.cu_seqlens, s)
     if spec.cache is not None:
-        assert spec.slots is not None and spec.columns is not None
+        assert spec.slots is not None
         cache, layer = spec.cache, attn.layer_idx
         if spec.decode_lengths is not None:  # in place, no gather, no mask
             out = decode_attention(
@@ -188,6 +189,7 @@ def attend(
                 new=(k[:, 0].to(cache.k.dtype), v[:, 0].to(cache.v.dtype)),
             )
             return out.to(q.dtype).reshape(b, s, attn.num_heads * attn.head_dim)
+        assert spec.columns is not None
         cache.write(layer, spec.slots, spec.columns, k, v)
         k, v = cache.read(layer, spec.slots, spec.kv_len, q.dtype)
     out = F.scaled_dot_product_attention(

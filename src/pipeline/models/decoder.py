@@ -218,7 +218,7 @@ class DecoderBase(nn.Module):
             mask=None if decode else cached_mask(positions, kv_len),
             cache=cache,
             slots=slots,
-            columns=cache.write_index(positions),
+            columns=None if decode else cache.write_index(positions),  # the kernel writes
             kv_len=kv_len,
             decode_lengths=positions[:, 0] + 1 if decode else None,  # padding (-1) reads none
         )

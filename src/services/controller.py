@@ -77,8 +77,8 @@ class Controller:
         # steps in a row whose every reward failed / every optimizer step was skipped
         self.streaks = {"rewards_failing": 0, "updates_skipped": 0}
         self.failure = ""  # why the run ends before its last step
-        # set when a step is journaled (the staleness bound moves): the release loop sends
-        # the next step's prompts at once instead of at its next poll
+        # set when an entry is journaled (a step or a drop moves the staleness bound): the
+        # release loop sends the next prompts at once instead of at its next poll
         self.budget_moved = asyncio.Event()
 
     @property
@@ -106,6 +106,7 @@ class Controller:
         assert self.journal is not None, "prepare() opens the journal"
         self.journal.append(entry)
         self.state.apply(entry)
+        self.budget_moved.set()  # a step or a drop moves the release budget
 
     # ------------------------------------------------------------------ set-up
 
@@ -328,7 +329,6 @@ class Controller:
             "line": line,
         }
         self.record(entry)
-        self.budget_moved.set()
         for row in schedule_rows(entry):
             self.schedule.write(row)
         self.steps_log.write(line)

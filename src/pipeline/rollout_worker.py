@@ -57,6 +57,13 @@ class EngineRunner:
     def version(self) -> int:
         return int(self.engine.version)
 
+    def prefill_share(self) -> dict[str, float]:
+        """Prompt rows prefilled per sample so far (built-in engine): 1 / n_samples with
+        shared prefill, 1 without."""
+        engine = getattr(self.engine, "engine", self.engine)  # a TP rank's TorchEngine
+        samples = getattr(engine, "prefill_samples", 0)
+        return {"rollout/prefill_rows_per_sample": engine.prefill_rows / samples} if samples else {}
+
     def stop_ids(self) -> tuple[int, ...]:
         eos = self.tokenizer.eos_token_id
         return () if eos is None or self.ignore_eos else (int(eos),)

@@ -76,6 +76,8 @@ class RolloutService(Service):
             await self._report_env()
         else:
             samples = await self.generate(prompt, prompt_ids)
+        if hasattr(self.engine, "prefill_share"):
+            stats.update(self.engine.prefill_share())
         group = GroupArrays(
             uid=prompt.uid,
             prompt_ids=prompt_ids,

@@ -51,3 +51,21 @@ def test_shared_prefill_generates_what_per_sample_prefill_does(max_batch: int):
         assert shared_rows == [3]
     else:  # a request's samples admitted over several steps share within each admission
         assert sum(shared_rows) < sum(own_rows)
+
+
+def test_the_engine_counts_prefill_rows_per_sample():
+    """What the rollout reports as rollout/prefill_rows_per_sample: 2 prompt rows for the
+    5 samples of two requests (n = 4 and 1), 5 without shared prefill."""
+    for shared, rows in ((True, 2), (False, 5)):
+        engine = TorchEngine(
+            make_model(seed=2), TorchEngineConfig(max_batch=8, shared_prefill=shared)
+        )
+        params = [SamplingParams(max_new_tokens=3, n=4, seed=1), SamplingParams(max_new_tokens=3)]
+        batch = prompts(2, [5, 9], seed=4)
+        engine.generate(
+            [
+                GenerationRequest(f"r{i}", p, s)
+                for i, (p, s) in enumerate(zip(batch, params, strict=True))
+            ]
+        )
+        assert (engine.prefill_rows, engine.prefill_samples) == (rows, 5)

@@ -208,6 +208,8 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         if cfg.use_cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch)
         self._seed_gen = torch.Generator().manual_seed(cfg.seed)
+        # prompt rows run through prefill forwards, and the samples they served
+        self.prefill_rows = self.prefill_samples = 0
         self._waiting: deque[_Sample] = deque()
         self._running: dict[int, _Sample] = {}  # slot -> sample
         self._view: _RunningView | None = None
@@ -424,6 +426,8 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         width = ids.shape[1]
         leader = _prompt_leaders(samples) if self.config.shared_prefill else list(range(len(ids)))
         leaders = sorted(set(leader))
+        self.prefill_rows += len(leaders)
+        self.prefill_samples += len(samples)
         if len(leaders) == len(samples):
             return self.model.forward_cached(
                 ids, positions, slots, self.cache, kv_len=width, logits_at=lens - 1

@@ -98,3 +98,30 @@ async def test_poll_times_out_and_close_fails_parked_receivers(ctx, tmp_path):
     sock.close(linger=0)
     with pytest.raises(zmq.ZMQError):
         await asyncio.wait_for(parked, 2)
+
+
+async def test_receiver_parked_while_a_send_fails_still_wakes(ctx, tmp_path):
+    """A send that fails (a ROUTER's message to a peer that is gone: EHOSTUNREACH) also
+    processes ZeroMQ's commands and resets the descriptor. A producer resumed after a pause
+    heartbeats its dead consumer first: its receiver then never heard the new consumer that
+    had connected meanwhile (the chaos test's stall)."""
+    endpoint = f"ipc://{tmp_path}/gone.sock"
+    server = make_async_socket(ctx, zmq.ROUTER)  # ROUTER_MANDATORY: unknown peers fail
+    server.bind(endpoint)
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(endpoint)
+    try:
+        client.send(b"hello")
+        assert (await asyncio.wait_for(server.recv_multipart(), 5))[-1] == b"hello"
+        parked = asyncio.create_task(server.recv_multipart())
+        await asyncio.sleep(0.05)  # the receiver is parked on the descriptor
+        client.send(b"after")
+        time.sleep(0.2)  # the message lands while the loop is blocked
+        with pytest.raises(zmq.ZMQError) as failed:
+            await server.send_multipart([b"ghost", b"x"])
+        assert failed.value.errno == zmq.EHOSTUNREACH
+        assert (await asyncio.wait_for(parked, 2))[-1] == b"after"
+    finally:
+        client.close(linger=0)
+        server.close(linger=0)

@@ -10,8 +10,9 @@ EAGAIN.
 ZeroMQ's descriptor signals that the socket has internal commands to process, not that a
 message is readable, and any operation on the socket may process (and so consume) that
 signal. So: the descriptor's callback re-reads `EVENTS` and wakes the waiters whose
-condition now holds, and after every successful operation the same check runs while anyone
-waits (a send can swallow the signal a parked receiver needed).
+condition now holds, and after every operation, whatever its outcome, the same check runs
+while anyone waits on the other side (a send can swallow the signal a parked receiver
+needed, a send that fails too).
 """
 
 from __future__ import annotations
@@ -41,13 +42,12 @@ class AsyncSocket:
     async def recv_multipart(self, copy: bool = True) -> list[Any]:
         while True:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=copy)
+                return self.sock.recv_multipart(zmq.NOBLOCK, copy=copy)
             except zmq.Again:
-                await self._wait(self._readers)
-                continue
-            if self._writers:
-                self._check()
-            return frames
+                pass
+            finally:
+                self._recheck(self._writers)
+            await self._wait(self._readers)
 
     async def send_multipart(self, frames: Sequence[Any], copy: bool = True) -> None:
         while True:
@@ -55,12 +55,12 @@ class AsyncSocket:
                 # with SNDHWM 0 only a DEALER without peers says EAGAIN, and ZeroMQ takes
                 # the later parts of a message whose first part it took
                 self.sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                return
             except zmq.Again:
-                await self._wait(self._writers)
-                continue
-            if self._readers:
-                self._check()
-            return
+                pass
+            finally:
+                self._recheck(self._readers)
+            await self._wait(self._writers)
 
     async def poll(self, timeout: int | None = None, flags: int = zmq.POLLIN) -> int:
         """Like `zmq.Socket.poll` (timeout in ms, None = forever); returns the events set."""
@@ -68,9 +68,9 @@ class AsyncSocket:
         deadline = None if timeout is None else loop.time() + timeout / 1000
         waiters = self._readers if flags & zmq.POLLIN else self._writers
         while True:
-            events = self.sock.getsockopt(zmq.EVENTS) & flags
-            if events:
-                return int(events)
+            events = self._events()  # wakes the other side's waiters it may concern
+            if events & flags:
+                return int(events & flags)
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
                 return 0
@@ -102,20 +102,33 @@ class AsyncSocket:
             if fut in waiters:  # cancelled
                 waiters.remove(fut)
 
+    def _recheck(self, others: list[asyncio.Future[None]]) -> None:
+        """After any operation, a failed one too (EAGAIN, a ROUTER's EHOSTUNREACH): it may
+        have consumed the descriptor signal that the other side's waiters need."""
+        if others:
+            self._check()
+
     def _check(self) -> None:
         """Re-read the socket's events (this also resets its descriptor) and wake waiters."""
-        if self.sock.closed:
-            return
+        with contextlib.suppress(zmq.ZMQError):  # the waiters got it
+            self._events()
+
+    def _events(self) -> int:
+        """The socket's events, with every waiter whose condition holds woken (reading them
+        resets the descriptor); a socket that fails fails its waiters too."""
         try:
-            events = self.sock.getsockopt(zmq.EVENTS)
+            if self.sock.closed:
+                raise zmq.ZMQError(zmq.ENOTSOCK)
+            events = int(self.sock.getsockopt(zmq.EVENTS))
         except zmq.ZMQError as exc:
             self._wake_all(self._readers, exc)
             self._wake_all(self._writers, exc)
-            return
+            raise
         if events & zmq.POLLIN and self._readers:
             self._wake_all(self._readers)
         if events & zmq.POLLOUT and self._writers:
             self._wake_all(self._writers)
+        return events
 
     @staticmethod
     def _wake_all(waiters: list[asyncio.Future[None]], exc: Exception | None = None) -> None:

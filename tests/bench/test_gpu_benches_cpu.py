@@ -350,3 +350,18 @@ def test_sm_share_cpu(tmp_path: Path) -> None:
     assert rows[0]["vs_profile_max_abs_diff"] == 0.0
     # another chunking of the output layer: the same log-probs up to float32 rounding
     assert 0.0 <= rows[1]["vs_profile_max_abs_diff"] < 1e-3
+
+
+def test_a_variant_may_set_an_inline_table() -> None:
+    """--variant's commas split pairs, not an inline table's: a bisect of the compile
+    options (triton.enable_pdl under an SM share) needs the whole table as one value."""
+    from pipeline.bench.learner_step import parse_variant
+
+    text = 'compile_options={ "triton.enable_pdl" = false, "a" = 1 },compile_mode=default'
+    assert parse_variant(text) == {
+        "compile_options": {"triton.enable_pdl": False, "a": 1},
+        "compile_mode": "default",
+    }
+    assert parse_variant("sizes=[1, 2],x=true") == {"sizes": [1, 2], "x": True}
+    with pytest.raises(SystemExit, match="key=value"):
+        parse_variant("trunk_graphs")

@@ -148,11 +148,19 @@ def profile_knobs(path: Path | None) -> dict[str, Any]:
 
 
 def parse_variant(text: str) -> dict[str, Any]:
-    """ "key=value,key=value" of TrainerConfig fields; values parsed as TOML scalars."""
+    """ "key=value,key=value" of TrainerConfig fields; values parsed as TOML (an inline
+    table's or array's commas do not split: compile_options={ "a" = false, "b" = true })."""
     import tomllib
 
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
     out: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
+    for item in filter(str.strip, items):
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--variant wants key=value pairs, got {item!r}")

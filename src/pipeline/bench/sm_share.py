@@ -100,15 +100,8 @@ def run_child(
     return torch.load(out)
 
 
-def mps_env(directory: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["CUDA_MPS_PIPE_DIRECTORY"] = str(directory / "pipe")
-    env["CUDA_MPS_LOG_DIRECTORY"] = str(directory / "log")
-    return env
-
-
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from pipeline.runtime.gpu_sharing import MPS_CONTROL
+    from pipeline.runtime.gpu_sharing import MPS_CONTROL, GpuSharing, MpsDaemon
 
     cuda = args.device == "cuda"
     shares = sorted({100, *args.shares}, reverse=True) if cuda else [100]
@@ -116,23 +109,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit(f"{MPS_CONTROL} is not on PATH: the shares need CUDA MPS")
     rows: list[dict[str, Any]] = []
     device = torch.device(args.device)
+    # the daemon a run's supervisor starts, with the learner's share set per child
+    sharing = GpuSharing("mps", "the sm_share bench")
+    daemon = MpsDaemon(sharing, dict(os.environ))
     with tempfile.TemporaryDirectory(prefix="sm-share-") as tmp:
         root = Path(tmp)
         save_random_model(args.shape, root / "model", dtype=bench_dtype(device), device=device)
-        env = dict(os.environ)
         if cuda:
-            env = mps_env(root / "mps")
-            subprocess.run([MPS_CONTROL, "-d"], env=env, check=True, timeout=30)
+            daemon.start(required=True)
         try:
+            profile: torch.Tensor | None = None
             for v, variant in enumerate(["", *args.variant]):
                 results: dict[int, dict[str, torch.Tensor]] = {}
                 for share in shares:
-                    child_env = dict(env)
+                    env = dict(os.environ)
                     if cuda:
-                        child_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
+                        sharing.shares["learner"] = share
+                        sharing.apply(env, "learner")
                     out = root / f"v{v}-s{share}.pt"
-                    results[share] = run_child(args, root / "model", out, variant, child_env)
-                    if v == 0 and share == 100:
+                    results[share] = run_child(args, root / "model", out, variant, env)
+                    if profile is None:
                         profile = results[share]["first"]
                     row = {
                         "bench": BENCH,
@@ -148,8 +144,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     print(json.dumps(row), flush=True)
                     rows.append(row)
         finally:
-            if cuda:
-                subprocess.run([MPS_CONTROL], input="quit\n", env=env, text=True, timeout=30)
+            daemon.stop()
     return rows
 
 

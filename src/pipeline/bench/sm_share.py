@@ -67,10 +67,11 @@ def child(args: argparse.Namespace) -> None:
     trainer.warm_up([batch])
     first = trainer.compute_logprobs(batch).float().cpu()
     again = trainer.compute_logprobs(batch).float().cpu()
-    torch.save({"first": first, "again": again}, args.out)
+    label = device_label(torch.device(args.device))
+    torch.save({"first": first, "again": again, "device": label}, args.out)
 
 
-def compare(result: dict[str, torch.Tensor], base: torch.Tensor) -> dict[str, Any]:
+def compare(result: dict[str, Any], base: torch.Tensor) -> dict[str, Any]:
     """The largest and mean |difference| against `base` over the values finite in both
     (None where none is), the non-finite values, the gap between the child's two results."""
     first, again = result["first"], result["again"]
@@ -87,7 +88,7 @@ def compare(result: dict[str, torch.Tensor], base: torch.Tensor) -> dict[str, An
 
 def run_child(
     args: argparse.Namespace, model: Path, out: Path, variant: str, env: dict[str, str]
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pipeline.bench.sm_share", "--child", "--device", args.device]
     cmd += ["--model", str(model), "--out", str(out), "--set", variant]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--prompt", str(args.prompt)]
@@ -114,13 +115,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     daemon = MpsDaemon(sharing, dict(os.environ))
     with tempfile.TemporaryDirectory(prefix="sm-share-") as tmp:
         root = Path(tmp)
-        save_random_model(args.shape, root / "model", dtype=bench_dtype(device), device=device)
+        # made on the CPU: this process keeps off the GPU, whose clients are the children
+        dtype = bench_dtype(device)
+        save_random_model(args.shape, root / "model", dtype=dtype, device=torch.device("cpu"))
         if cuda:
             daemon.start(required=True)
         try:
             profile: torch.Tensor | None = None
             for v, variant in enumerate(["", *args.variant]):
-                results: dict[int, dict[str, torch.Tensor]] = {}
+                results: dict[int, dict[str, Any]] = {}
                 for share in shares:
                     env = dict(os.environ)
                     if cuda:
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "share": share,
                         **compare(results[share], results[100]["first"]),
                         "vs_profile_max_abs_diff": compare(results[share], profile)["max_abs_diff"],
-                        "device": device_label(device),
+                        "device": results[share]["device"],
                         "config": {k: getattr(args, k) for k in ("shape", "batch", "seq")},
                         "git": git_sha(),
                         "date": now_iso(),

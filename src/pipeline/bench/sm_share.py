@@ -1,6 +1,6 @@
 """SM-share check: the learner's log-probs with a share of the SMs against the whole GPU.
 
-    python -m pipeline.bench.sm_share [--shares 100,80,70] [--variant k=v,...]... [--json OUT]
+    python -m pipeline.bench.sm_share [--shares 80,70] [--variant k=v,...]... [--json OUT]
 
 Why: on one GPU at staleness 1, runs that capped the learner at 80 % or 70 % of the SMs
 (`services.learner.gpu_share`, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) were faster, but the
@@ -160,7 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens of each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=Path, default=None, help="its [learner.trainer] knobs")
-    ap.add_argument("--shares", type=lambda s: [int(x) for x in s.split(",")], default=[80, 70])
+    ap.add_argument(
+        "--shares",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[80, 70],
+        help="SM percentages besides 100 (always run)",
+    )
     ap.add_argument(
         "--variant", action="append", default=[], help="k=v,... on top of the profile's"
     )
@@ -170,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--set", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if any(not 1 <= share <= 100 for share in args.shares):
+        ap.error(f"--shares are percentages of the SMs, 1 to 100: got {args.shares}")
     device_defaults(args, DEFAULTS)
     if args.profile is None and args.device == "cuda":
         args.profile = REPO / "profiles" / "h200-single.toml"

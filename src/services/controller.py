@@ -285,6 +285,8 @@ class Controller:
             await prompts.send(*self.encode(released))
         cap = self.config.controller.max_inflight_prompts
         while True:
+            # cleared before the budget is read: a step journaled from here on wakes the wait
+            self.budget_moved.clear()
             budget = min(self.release_budget(), cap - prompts.unacked)
             if budget > 0:
                 first = self.released_count
@@ -295,7 +297,6 @@ class Controller:
             # acks free budget too (no event for them): poll as well
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.budget_moved.wait(), RELEASE_POLL_S)
-            self.budget_moved.clear()
 
     # ------------------------------------------------------------------ inbox
 

@@ -76,7 +76,7 @@ class RolloutService(Service):
             await self._report_env()
         else:
             samples = await self.generate(prompt, prompt_ids)
-        if hasattr(self.engine, "prefill_share"):
+        if self.engine is not None:  # None: a stand-in without an engine (tests)
             stats.update(self.engine.prefill_share())
         group = GroupArrays(
             uid=prompt.uid,

@@ -11,6 +11,8 @@ value update, which they run (and checkpoint) together.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +119,15 @@ class CriticWorker:
             if self.trainer.info.rank == 0:
                 self.log.info("resumed", step=self.steps, kl_coef=self.kl_ctrl.value)
 
-    def annotate(self, group: GroupArrays) -> None:
+    def annotate(
+        self, group: GroupArrays, annotated: Callable[[], None] | None = None
+    ) -> tuple[float, float] | None:
         """Values, token rewards, advantages, returns (and reference log-probs when hosted
-        here) into the group's samples; a value update once a step's worth has passed."""
+        here) into the group's samples; a value update once a step's worth has passed.
+        Returns that update's wall-clock span, None without one.
+
+        `annotated` is called once the group is complete, before that update: the service
+        sends the group on then, so the learner's step does not wait for the critic's."""
         batch = batch_from_groups([group])
         info = self.trainer.info
         local = batch.shard(info.rank, info.world_size) if info.world_size > 1 else batch
@@ -145,8 +153,13 @@ class CriticWorker:
         group.stats["critic/recompiles"] = self.recompiles.since()
         group.stats.update(self.last_update)
         self._seen.append(group)
-        if len(self._seen) >= self.config.controller.prompts_per_step:
-            self._update()
+        if annotated is not None:
+            annotated()
+        if len(self._seen) < self.config.controller.prompts_per_step:
+            return None
+        start = time.time()
+        self._update()
+        return start, time.time()
 
     def _update(self) -> None:
         seen, self._seen = self._seen, []

@@ -84,3 +84,19 @@ def test_no_tokens_at_all_gives_empty_advantages(rows):
         compute_vtrace(z, z, z, z, mask, gamma=1.0, lam=0.9, rho_bar=1.0, c_bar=1.0),
     ):
         assert adv.shape == ret.shape == (rows, 0)
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.5, 0.5)])
+def test_gae_over_many_blocks_matches_numpy_reference(kind, gamma, lam):
+    """Responses longer than the recursion's block (64 tokens): the sum carried across
+    blocks, and decays whose powers underflow over the sequence."""
+    rng = rng_for("long", kind, gamma, lam)
+    mask = make_mask(rng, 4, 1500, kind)
+    rewards, values = rng.normal(size=(4, 1500)), rng.normal(size=(4, 1500))
+    adv, ret = compute_gae(
+        t(poison(rewards, mask)), t(poison(values, mask)), t(mask), gamma=gamma, lam=lam
+    )
+    ref_adv, ref_ret = ref_gae(rewards, values, mask, gamma, lam)
+    np.testing.assert_allclose(np_of(adv), ref_adv, rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(np_of(ret), ref_ret, rtol=1e-12, atol=1e-9)

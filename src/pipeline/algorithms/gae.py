@@ -22,20 +22,42 @@ def compute_gae(
     """
     check_same_shape(rewards=rewards, values=values, mask=mask)
     dtype = torch.promote_types(rewards.dtype, values.dtype)
-    rewards, values = rewards.to(dtype), values.to(dtype)
     valid = mask.bool()  # (batch, seq)
-    if rewards.shape[1] == 0:  # no tokens at all (e.g. a rank's empty shard of a small group)
-        return rewards.new_zeros(rewards.shape), rewards.new_zeros(rewards.shape)
-    next_value = rewards.new_zeros(rewards.shape[0])  # (batch,) V at the next valid token
-    next_adv = rewards.new_zeros(rewards.shape[0])  # (batch,) advantage at the next valid token
-    advantages = []
-    for t in range(rewards.shape[1] - 1, -1, -1):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (batch,)
-        adv_t = delta + gamma * lam * next_adv  # (batch,)
-        ok = valid[:, t]  # (batch,)
-        next_value = torch.where(ok, values[:, t], next_value)
-        next_adv = torch.where(ok, adv_t, next_adv)
-        advantages.append(torch.where(ok, adv_t, 0.0))
-    adv = torch.stack(advantages[::-1], dim=1)  # (batch, seq)
-    returns = torch.where(valid, adv + values, 0.0)  # (batch, seq)
-    return adv, returns
+    rows, seq = rewards.shape
+    if seq == 0:  # no tokens at all (e.g. a rank's empty shard of a small group)
+        return rewards.new_zeros(rewards.shape, dtype=dtype), rewards.new_zeros(
+            rewards.shape, dtype=dtype
+        )
+    # each row's valid tokens moved to its front, in order: the recursion then runs over
+    # contiguous steps, a block of them at a time (a loop over tokens cost 7 ms a group)
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # (batch, seq)
+    live = torch.arange(seq, device=valid.device) < valid.sum(dim=1, keepdim=True)
+    r = torch.where(live, rewards.double().gather(1, order), 0.0)  # (batch, seq)
+    v = torch.where(live, values.double().gather(1, order), 0.0)  # (batch, seq)
+    next_v = torch.cat([v[:, 1:], v.new_zeros(rows, 1)], dim=1)  # 0 after the last token
+    delta = torch.where(live, r + gamma * next_v - v, 0.0)  # (batch, seq)
+    compact = _discounted_suffix_sums(delta, gamma * lam)
+    adv = torch.zeros_like(compact).scatter_(1, order, compact)
+    adv = torch.where(valid, adv, 0.0)
+    returns = torch.where(valid, adv + values.double(), 0.0)  # (batch, seq)
+    return adv.to(dtype), returns.to(dtype)
+
+
+def _discounted_suffix_sums(x: Tensor, decay: float, block: int = 64) -> Tensor:
+    """out[:, i] = sum over j >= i of decay^(j - i) * x[:, j], float64, by blocks from the
+    end: within a block a (block, block) matrix of powers, across blocks the carried sum."""
+    rows, seq = x.shape
+    n = min(block, seq)
+    k = torch.arange(n, device=x.device, dtype=torch.float64)
+    lag = k[None, :] - k[:, None]  # (n, n): j - i
+    base = torch.tensor(decay, dtype=torch.float64, device=x.device)
+    powers = torch.where(lag >= 0, base ** lag.clamp(min=0), 0.0)  # (n, n) [i, j]
+    out = torch.empty_like(x)
+    carry = x.new_zeros(rows)  # the sum at the first position after the block
+    for end in range(seq, 0, -n):
+        start = max(0, end - n)
+        size = end - start
+        tail = base ** (size - k[:size])  # (size,) decay^(size - i)
+        out[:, start:end] = x[:, start:end] @ powers[:size, :size].T + carry[:, None] * tail
+        carry = out[:, start]
+    return out

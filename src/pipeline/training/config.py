@@ -133,7 +133,7 @@ class TrainerConfig:
     # function, dynamic shapes: a few fused kernels each way instead of ~190 small ones
     compile_loss: bool = False
     # inductor options of that compilation on top of the mode's, e.g.
-    # {"triton.mix_order_reduction" = false, "triton.enable_pdl" = true}: names and types
+    # {"triton.mix_order_reduction" = false}: names and types
     # as in torch._inductor.config (checked when the config is built); the sharded trainer
     # compiles each block with them
     compile_options: dict[str, bool | int | float | str] = dataclasses.field(default_factory=dict)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Awaitable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +39,14 @@ class EngineRunner:
         loop: asyncio.AbstractEventLoop,
         *,
         ignore_eos: bool = False,
+        burst_quiet_s: float = 0.003,
+        burst_max_s: float = 0.025,
     ) -> None:
         self.engine = engine
+        # an idle engine given a prompt waits while more keep coming (burst_quiet_s apart at
+        # most, burst_max_s in all) so that a step's prompts start together (_gather_burst)
+        self.burst_quiet_s = burst_quiet_s
+        self.burst_max_s = burst_max_s
         self.tokenizer = tokenizer
         self.ignore_eos = ignore_eos
         self.loop = loop
@@ -148,12 +155,18 @@ class EngineRunner:
     def _loop(self) -> None:
         from pipeline.engines import GenerationRequest
 
+        def take_submitted() -> None:
+            while not self._submit.empty():
+                uid, ids, params, pending = self._submit.get()
+                self._pending[uid] = pending
+                self.engine.add_request(GenerationRequest(uid, ids, params))
+
         try:
             while not self._closed:
-                while not self._submit.empty():
-                    uid, ids, params, pending = self._submit.get()
-                    self._pending[uid] = pending
-                    self.engine.add_request(GenerationRequest(uid, ids, params))
+                idle = not self.engine.has_unfinished()
+                take_submitted()
+                if idle and self.engine.has_unfinished():
+                    self._gather_burst(take_submitted)
                 if not self.engine.has_unfinished() and not self._update_due():
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -173,6 +186,21 @@ class EngineRunner:
             self._closed = True
             if self._update is not None:
                 self._update.cancel()  # no safe point will come: the receiver stops waiting
+
+    def _gather_burst(self, take_submitted: Callable[[], None]) -> None:
+        """The prompts of a burst into an idle engine before its first step. The event loop
+        hands a step's prompts over one at a time, and the engine, once running, competes
+        with it for the GIL: on an H100 the first 6 of a step's 32 prompts started alone and
+        the other 26 finished 13 decode steps (35 ms) after them."""
+        deadline = time.monotonic() + self.burst_max_s
+        while not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.clear()
+            if self._submit.empty() and not self._wake.wait(min(self.burst_quiet_s, left)):
+                return
+            take_submitted()
 
     async def close(self) -> None:
         self._closed = True

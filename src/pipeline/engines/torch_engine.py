@@ -250,6 +250,11 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         return len(self._running)
 
     @property
+    def token_steps(self) -> int:
+        """Steps that produced tokens so far (prefills and decodes)."""
+        return self._clock
+
+    @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 

@@ -294,10 +294,14 @@ async def start_engine(ctx: Any) -> EngineRunner:
     device = engine_device(config)
     # off the loop: loading and graph capture take a while
     engine = await asyncio.to_thread(build_engine, ctx)
-    runner = EngineRunner(
-        engine, tokenizer, asyncio.get_running_loop(), ignore_eos=config.rollout.ignore_eos
-    )
     rollout = config.rollout
+    runner = EngineRunner(
+        engine,
+        tokenizer,
+        asyncio.get_running_loop(),
+        ignore_eos=rollout.ignore_eos,
+        burst_quiet_s=rollout.admit_quiet_ms / 1000,
+    )
     if device == "cuda" and (rollout.compile or rollout.cuda_graphs):
         seconds = await runner.warm_up(
             prompts_in_flight(config),

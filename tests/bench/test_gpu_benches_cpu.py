@@ -307,6 +307,8 @@ def test_e2e_preset_cpu(tmp_path: Path) -> None:
     assert config["critic_s_per_step"] > 0 and 0 <= config["idle_share.local"] < 1
     assert config["bound_max_s_per_step"] <= config["bound_sum_s_per_step"]
     assert config["skipped_updates"] == 0  # counted: the bench fails a run that skipped
+    # a step's groups finish within its generation phase
+    assert 0 <= config["gen_end_spread_s"] <= config["gen_busy_s_per_step"]
     # the rollout phase against the decode memory bound at this device's copy bandwidth
     tokens = config["samples_per_step"] * 6 / config["gen_busy_s_per_step"]
     assert config["gen_tokens_per_s"] == pytest.approx(tokens, rel=1e-4)  # from rounded seconds

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,19 @@ def _service_spans(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def end_spread(spans: list[dict[str, Any]], per_step: int, t0: float, t1: float) -> float:
+    """The median, over the steps released inside [t0, t1], of the seconds between the first
+    and the last of a step's rollout groups to finish (a prompt's uid starts with its
+    release index): how far a step's prompts started apart in the engine."""
+    ends: dict[int, list[float]] = {}
+    for span in spans:
+        if t0 <= span["start"] and span["end"] <= t1 and ":" in str(span.get("uid", "")):
+            index = int(str(span["uid"]).split(":", 1)[0])
+            ends.setdefault(index // per_step, []).append(span["end"])
+    spreads = [max(e) - min(e) for e in ends.values() if len(e) == per_step]
+    return statistics.median(spreads) if spreads else float("nan")
+
+
 def device_idle(run_dir: Path, spans: dict[str, list[dict[str, Any]]], t0: float, t1: float):
     """1 - busy / wall of each device the run placed services on (`idle_share.<pool>.<id>`;
     a pool that lists no devices, a CPU pool, counts as one: `idle_share.<pool>`), a device
@@ -76,6 +90,7 @@ def device_idle(run_dir: Path, spans: dict[str, list[dict[str, Any]]], t0: float
 
 def measure(run_dir: Path, skip: int) -> dict[str, float]:
     steps = _jsonl(run_dir / "metrics" / "steps.jsonl")
+    config = json.loads((run_dir / "config.json").read_text())
     if len(steps) <= skip + 1:
         raise SystemExit(f"{run_dir}: only {len(steps)} steps; raise --steps")
     t0, t1 = steps[skip]["time"], steps[-1]["time"]
@@ -118,6 +133,9 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
         "gen_idle_share": 1 - gen_busy / wall,
         "train_idle_share": 1 - train_busy / wall,
         "gen_busy_s_per_step": gen_busy / (len(steps) - skip - 1),
+        "gen_end_spread_s": end_spread(
+            spans["rollout"], int(config["controller"]["prompts_per_step"]), t0, t1
+        ),
         "train_busy_s_per_step": train_busy / (len(steps) - skip - 1),
         "samples_per_step": samples / (len(steps) - skip - 1),
         "mismatch_kl_step0": float(steps[0].get("mismatch/kl", float("nan"))),

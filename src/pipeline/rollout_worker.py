@@ -12,7 +12,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,21 +152,21 @@ class EngineRunner:
             )
         self.loop.call_soon_threadsafe(_resolve, pending.future, samples)
 
-    def _loop(self) -> None:
+    def _take_submitted(self) -> None:
         from pipeline.engines import GenerationRequest
 
-        def take_submitted() -> None:
-            while not self._submit.empty():
-                uid, ids, params, pending = self._submit.get()
-                self._pending[uid] = pending
-                self.engine.add_request(GenerationRequest(uid, ids, params))
+        while not self._submit.empty():
+            uid, ids, params, pending = self._submit.get()
+            self._pending[uid] = pending
+            self.engine.add_request(GenerationRequest(uid, ids, params))
 
+    def _loop(self) -> None:
         try:
             while not self._closed:
                 idle = not self.engine.has_unfinished()
-                take_submitted()
+                self._take_submitted()
                 if idle and self.engine.has_unfinished():
-                    self._gather_burst(take_submitted)
+                    self._gather_burst()
                 if not self.engine.has_unfinished() and not self._update_due():
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -187,7 +187,7 @@ class EngineRunner:
             if self._update is not None:
                 self._update.cancel()  # no safe point will come: the receiver stops waiting
 
-    def _gather_burst(self, take_submitted: Callable[[], None]) -> None:
+    def _gather_burst(self) -> None:
         """The prompts of a burst into an idle engine before its first step. The event loop
         hands a step's prompts over one at a time, and without this the engine started on
         the first few: on an H100 the first 6 of a step's 32 prompts started alone and the
@@ -200,7 +200,7 @@ class EngineRunner:
             self._wake.clear()
             if self._submit.empty() and not self._wake.wait(min(self.burst_quiet_s, left)):
                 return
-            take_submitted()
+            self._take_submitted()
 
     async def close(self) -> None:
         self._closed = True

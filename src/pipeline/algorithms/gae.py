@@ -25,9 +25,8 @@ def compute_gae(
     valid = mask.bool()  # (batch, seq)
     rows, seq = rewards.shape
     if seq == 0:  # no tokens at all (e.g. a rank's empty shard of a small group)
-        return rewards.new_zeros(rewards.shape, dtype=dtype), rewards.new_zeros(
-            rewards.shape, dtype=dtype
-        )
+        empty = rewards.new_zeros(rewards.shape, dtype=dtype)
+        return empty, empty.clone()
     # each row's valid tokens moved to its front, in order: the recursion then runs over
     # contiguous steps, a block of them at a time (a loop over tokens cost 7 ms a group)
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # (batch, seq)

@@ -89,8 +89,10 @@ def device_idle(run_dir: Path, spans: dict[str, list[dict[str, Any]]], t0: float
 
 
 def measure(run_dir: Path, skip: int) -> dict[str, float]:
+    from pipeline.config.profile import config_from_json
+
     steps = _jsonl(run_dir / "metrics" / "steps.jsonl")
-    config = json.loads((run_dir / "config.json").read_text())
+    config = config_from_json((run_dir / "config.json").read_text())
     if len(steps) <= skip + 1:
         raise SystemExit(f"{run_dir}: only {len(steps)} steps; raise --steps")
     t0, t1 = steps[skip]["time"], steps[-1]["time"]
@@ -134,7 +136,7 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
         "train_idle_share": 1 - train_busy / wall,
         "gen_busy_s_per_step": gen_busy / (len(steps) - skip - 1),
         "gen_end_spread_s": end_spread(
-            spans["rollout"], int(config["controller"]["prompts_per_step"]), t0, t1
+            spans["rollout"], config.controller.prompts_per_step, t0, t1
         ),
         "train_busy_s_per_step": train_busy / (len(steps) - skip - 1),
         "samples_per_step": samples / (len(steps) - skip - 1),

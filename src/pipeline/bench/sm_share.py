@@ -18,6 +18,10 @@ the same variant's at 100 %: one JSON line per variant and share with the larges
 difference, the NaN count, the difference between the child's own two computations, and
 the largest difference from the profile's own knobs at 100 % (`vs_profile_max_abs_diff`).
 On CPU (no MPS) every variant runs once without a share: the plumbing only.
+
+`--trace` checksums every op of the two computations (`op_trace.py`) and reports the first
+op where they part and the first non-finite one: with `--variant
+compile=false,trunk_graphs=false` that names the kernel a race hits.
 """
 
 from __future__ import annotations
@@ -65,10 +69,20 @@ def child(args: argparse.Namespace) -> None:
     vocab = trainer.model.config.vocab_size
     batch, _ = synthetic_batch(args.batch, args.seq, args.prompt, vocab, args.seed)
     trainer.warm_up([batch])
-    first = trainer.compute_logprobs(batch).float().cpu()
-    again = trainer.compute_logprobs(batch).float().cpu()
     label = device_label(torch.device(args.device))
-    torch.save({"first": first, "again": again, "device": label}, args.out)
+    if not args.trace:
+        first = trainer.compute_logprobs(batch).float().cpu()
+        again = trainer.compute_logprobs(batch).float().cpu()
+        torch.save({"first": first, "again": again, "device": label}, args.out)
+        return
+    from pipeline.bench.op_trace import OpChecksums, first_divergence
+
+    with OpChecksums() as traced:
+        first = trainer.compute_logprobs(batch).float().cpu()
+    with OpChecksums() as traced_again:
+        again = trainer.compute_logprobs(batch).float().cpu()
+    trace = first_divergence(traced, traced_again)
+    torch.save({"first": first, "again": again, "device": label, "trace": trace}, args.out)
 
 
 def compare(result: dict[str, Any], base: torch.Tensor) -> dict[str, Any]:
@@ -92,7 +106,7 @@ def run_child(
     cmd = [sys.executable, "-m", "pipeline.bench.sm_share", "--child", "--device", args.device]
     cmd += ["--model", str(model), "--out", str(out), "--set", variant]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--prompt", str(args.prompt)]
-    cmd += ["--seed", str(args.seed)]
+    cmd += ["--seed", str(args.seed)] + (["--trace"] if args.trace else [])
     if args.profile is not None:
         cmd += ["--profile", str(args.profile)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -140,6 +154,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         **compare(results[share], results[100]["first"]),
                         "vs_profile_max_abs_diff": compare(results[share], profile)["max_abs_diff"],
                         "device": results[share]["device"],
+                        **({"trace": results[share]["trace"]} if args.trace else {}),
                         "config": {k: getattr(args, k) for k in ("shape", "batch", "seq")},
                         "git": git_sha(),
                         "date": now_iso(),
@@ -168,6 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--variant", action="append", default=[], help="k=v,... on top of the profile's"
+    )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="checksum every op of the two computations; report where they part (op_trace.py)",
     )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -1,0 +1,107 @@
+"""Checksums of every op's outputs, to find the first op whose result differs between two
+runs of the same computation (the SM-share bench's `--trace`).
+
+Each floating output of each op dispatched below autograd is reduced on its device to its
+sum and its L1 norm (float32 accumulation, no upcast copy), queued behind the op without a
+host sync, so the device keeps its queue as in an untraced run. Ops inside a compiled graph
+or a CUDA graph replay are not dispatched one by one: trace an eager run (`compile = false`,
+`trunk_graphs = false`) to see each kernel. A custom op (the Triton kernels of models/)
+shows as one op.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_ATEN = torch.ops.aten
+# ops whose outputs are allocated, not computed: their contents are whatever memory held
+_UNINITIALISED = {
+    _ATEN.empty,
+    _ATEN.empty_like,
+    _ATEN.empty_strided,
+    _ATEN.new_empty,
+    _ATEN.new_empty_strided,
+    _ATEN.resize_,
+}
+
+
+class OpChecksums(TorchDispatchMode):
+    """Records (op, output shape) and a (sum, L1) checksum for each floating output of each
+    op that computes one (allocations left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self._sums: list[Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _UNINITIALISED:
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
+                d = t.detach()
+                total = d.sum(dtype=torch.float32)
+                l1 = torch.linalg.vector_norm(d, 1, dtype=torch.float32)
+                self._sums.append(torch.stack([total, l1]))
+                self.ops.append(f"{func} {tuple(t.shape)}")
+        return out
+
+    def table(self) -> Tensor:
+        """(ops, 2) checksums on the host (this waits for the device)."""
+        if not self._sums:
+            return torch.zeros(0, 2)
+        return torch.stack(self._sums).cpu()
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Bitwise equal, NaN equal to NaN."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def first_divergence(first: OpChecksums, again: OpChecksums) -> dict[str, Any]:
+    """Where two traces of the same computation part: the first op whose checksums differ
+    and the first op with a non-finite checksum in either (None where there is none), and
+    how many ops differ in all. Traces that ran different ops part at the first of them."""
+    a, b = first.table(), again.table()
+    n = min(len(first.ops), len(again.ops))
+    differ = [i for i in range(n) if first.ops[i] != again.ops[i] or not _same(a[i], b[i])]
+    bad = [i for i in range(n) if not (bool(a[i].isfinite().all()) and bool(b[i].isfinite().all()))]
+
+    if len(first.ops) != len(again.ops):
+        differ.append(n)  # one trace ran ops the other did not
+
+    def at(i: int) -> dict[str, Any]:
+        def side(ops: list[str], sums: Tensor) -> tuple[str | None, list[float | str] | None]:
+            if i >= len(ops):
+                return None, None
+            return ops[i], [_plain(x) for x in sums[i].tolist()]
+
+        op, sums = side(first.ops, a)
+        op_again, sums_again = side(again.ops, b)
+        return {
+            "index": i,
+            "op": op,
+            "op_again": op_again,
+            "checksums": sums,
+            "checksums_again": sums_again,
+        }
+
+    return {
+        "ops": len(first.ops),
+        "ops_again": len(again.ops),
+        "ops_differing": len(differ),
+        "first_differing": at(differ[0]) if differ else None,
+        "first_non_finite": at(bad[0]) if bad else None,
+    }
+
+
+def _plain(x: float) -> float | str:
+    """A JSON-safe number: non-finite ones as text."""
+    return x if math.isfinite(x) else str(x)

@@ -158,18 +158,20 @@ class Service:
         """Default loop: take inputs, handle them concurrently, chain the acks."""
         assert self.ctx.input is not None
         running: set[asyncio.Task[None]] = set()
-        while not self.ctx.stop.is_set():
-            if len(running) >= self.concurrency:
-                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()  # fail the service visibly
-                continue
-            try:
-                delivery = await self.ctx.input.get(timeout=0.2)
-            except TimeoutError:
-                continue
-            running.add(asyncio.create_task(self.process(delivery)))
-        await cancel_and_wait(list(running))
+        try:
+            while not self.ctx.stop.is_set():
+                if len(running) >= self.concurrency:
+                    done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        task.result()  # fail the service visibly
+                    continue
+                try:
+                    delivery = await self.ctx.input.get(timeout=0.2)
+                except TimeoutError:
+                    continue
+                running.add(asyncio.create_task(self.process(delivery)))
+        finally:  # stopped, cancelled or failed: no handler outlives the loop
+            await cancel_and_wait(list(running))
 
 
 def _install_signals(stop: asyncio.Event) -> None:
@@ -301,11 +303,14 @@ async def serve(
         service.metrics.write({"kind": "ready", "start": started, "end": time.time()})
         main = asyncio.create_task(service.run())
         await _wait_stop(ctx, main)
+        # told to stop: the main loop ends before the teardown runs (a step or handler in
+        # flight may finish); what still runs after half the stop timeout is cancelled
+        if not main.done():
+            await asyncio.wait([main], timeout=config.supervisor.stop_timeout_s / 2)
+            await cancel_and_wait([] if main.done() else [main])
     except Exception:
         log.exception("service_failed")
         raise
-        if not main.done():
-            await cancel_and_wait([main], timeout=config.supervisor.stop_timeout_s)
     finally:
         stats_task.cancel()
         try:

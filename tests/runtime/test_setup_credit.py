@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeline import codec
-from pipeline.config import config_to_json, load_config
-from pipeline.messages import ConfigMsg, Hello, Shutdown
-from pipeline.runtime import layout
+from pipeline.config import load_config
+from pipeline.messages import Shutdown
 from pipeline.runtime.service import Output, Service, serve
-from pipeline.transport import ControlServer, QueueServer
+from tests.runtime.serve_harness import controller_side
 from tests.transport.loop_thread import LoopThread, wait_until
-from tests.transport.test_queue_inprocess import prompt
 from tests.transport.test_queue_stall import STALL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,25 +55,7 @@ async def test_input_credit_is_granted_after_setup(tmp_path: Path, side: LoopThr
         },
     )
 
-    def answer(hello: Hello) -> ConfigMsg:
-        return ConfigMsg(run_id="run1", run_dir=str(tmp_path), config_json=config_to_json(config))
-
-    async def start() -> tuple[ControlServer, QueueServer]:
-        control = ControlServer(
-            layout.controller_endpoint(config), run_id="run1", config_for=answer, config=STALL
-        ).start()
-        prompts = QueueServer(
-            "prompts",
-            layout.bind_endpoint(config, "prompts", 0),
-            run_id="run1",
-            sender="controller",
-            config=STALL,
-        ).start()
-        for i in range(3):
-            await prompts.send(*prompt(i))
-        return control, prompts
-
-    control, prompts = await side.call(start())
+    control, prompts = await side.call(controller_side(config, tmp_path, 3))
     SlowSetup.seen, SlowSetup.producer, SlowSetup.side = [], prompts, side
     service = asyncio.create_task(
         serve(SlowSetup, controller=control.endpoint, replica=0, local_config=config)

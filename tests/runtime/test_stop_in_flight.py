@@ -12,14 +12,11 @@ from typing import ClassVar
 import pytest
 
 from pipeline import codec
-from pipeline.config import config_to_json, load_config
-from pipeline.messages import ConfigMsg, Hello, Shutdown
-from pipeline.runtime import layout
+from pipeline.config import load_config
+from pipeline.messages import Shutdown
 from pipeline.runtime.service import Output, Service, serve
-from pipeline.transport import ControlServer, QueueServer
+from tests.runtime.serve_harness import controller_side
 from tests.transport.loop_thread import LoopThread, wait_until
-from tests.transport.test_queue_inprocess import prompt
-from tests.transport.test_queue_stall import STALL
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,24 +55,7 @@ async def test_a_handler_in_flight_ends_before_teardown(
         },
     )
 
-    def answer(hello: Hello) -> ConfigMsg:
-        return ConfigMsg(run_id="run1", run_dir=str(tmp_path), config_json=config_to_json(config))
-
-    async def start() -> tuple[ControlServer, QueueServer]:
-        control = ControlServer(
-            layout.controller_endpoint(config), run_id="run1", config_for=answer, config=STALL
-        ).start()
-        prompts = QueueServer(
-            "prompts",
-            layout.bind_endpoint(config, "prompts", 0),
-            run_id="run1",
-            sender="controller",
-            config=STALL,
-        ).start()
-        await prompts.send(*prompt(0))
-        return control, prompts
-
-    control, prompts = await side.call(start())
+    control, prompts = await side.call(controller_side(config, tmp_path, 1))
     SlowHandler.events, SlowHandler.seconds = [], seconds
     service = asyncio.create_task(
         serve(SlowHandler, controller=control.endpoint, replica=0, local_config=config)

@@ -305,6 +305,11 @@ def test_e2e_preset_cpu(tmp_path: Path) -> None:
     assert fig["figure"] == "samples_per_s_staleness0_local-cpu-ppo"
     assert config["preset"] == "one-gpu ppo" and config["samples_per_step"] == 4 * 8
     assert config["critic_s_per_step"] > 0 and 0 <= config["idle_share.local"] < 1
+    # the critic's busy time is its annotation and its value updates (spans may overlap)
+    annotate, update = config["critic_annotate_s_per_step"], config["critic_update_s_per_step"]
+    assert annotate > 0 and update > 0
+    assert max(annotate, update) <= config["critic_s_per_step"] <= annotate + update + 1e-6
+    assert config["critic_tail_s"] > 0  # a step's last group leaves the critic after the rollout
     assert config["bound_max_s_per_step"] <= config["bound_sum_s_per_step"]
     assert config["skipped_updates"] == 0  # counted: the bench fails a run that skipped
     # a step's groups finish within its generation phase

@@ -56,17 +56,37 @@ def _service_spans(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def end_spread(spans: list[dict[str, Any]], per_step: int, t0: float, t1: float) -> float:
-    """The median, over the steps released inside [t0, t1], of the seconds between the first
-    and the last of a step's rollout groups to finish (a prompt's uid starts with its
-    release index): how far a step's prompts started apart in the engine."""
+def step_ends(
+    spans: list[dict[str, Any]], per_step: int, t0: float, t1: float
+) -> dict[int, list[float]]:
+    """The end times of the per-group spans inside [t0, t1], by the step that released the
+    group (a prompt's uid starts with its release index); steps with every group only."""
     ends: dict[int, list[float]] = {}
     for span in spans:
         if t0 <= span["start"] and span["end"] <= t1 and ":" in str(span.get("uid", "")):
             index = int(str(span["uid"]).split(":", 1)[0])
             ends.setdefault(index // per_step, []).append(span["end"])
-    spreads = [max(e) - min(e) for e in ends.values() if len(e) == per_step]
+    return {step: e for step, e in ends.items() if len(e) == per_step}
+
+
+def end_spread(spans: list[dict[str, Any]], per_step: int, t0: float, t1: float) -> float:
+    """The median, over the steps released inside [t0, t1], of the seconds between the first
+    and the last of a step's rollout groups to finish: how far a step's prompts started
+    apart in the engine."""
+    spreads = [max(e) - min(e) for e in step_ends(spans, per_step, t0, t1).values()]
     return statistics.median(spreads) if spreads else float("nan")
+
+
+def critic_tail(
+    rollout: list[dict[str, Any]], critic: list[dict[str, Any]], per_step: int, t0: float, t1: float
+) -> float:
+    """The median, over the steps, of the seconds from a step's last group leaving the
+    rollout to its last group leaving the critic: what the critic adds before the learner
+    has the whole step."""
+    generated = step_ends(rollout, per_step, t0, t1)
+    annotated = step_ends(critic, per_step, t0, t1)
+    tails = [max(annotated[k]) - max(generated[k]) for k in generated.keys() & annotated.keys()]
+    return statistics.median(tails) if tails else float("nan")
 
 
 def device_idle(run_dir: Path, spans: dict[str, list[dict[str, Any]]], t0: float, t1: float):
@@ -107,6 +127,10 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
     gen_busy = _busy(spans["rollout"], t0, t1)
     train_busy = _busy([s for s in spans["learner"] if s["name"] == "train"], t0, t1)
     critic_busy = _busy(spans["critic"], t0, t1)
+    # the critic's per-group annotation (its handle spans) and its value updates
+    annotate = [s for s in spans["critic"] if s["name"] != "critic_update"]
+    critic_update = [s for s in spans["critic"] if s["name"] == "critic_update"]
+    per_step = config.controller.prompts_per_step
     steady = steps[skip + 1 :]
     # the learner's phases on its device (perf/*_s) and the weight sync, per step
     phases = {
@@ -125,6 +149,9 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
     return {
         **{f"{name}_s_per_step": value for name, value in phases.items()},
         "critic_s_per_step": critic_per_step,
+        "critic_annotate_s_per_step": _busy(annotate, t0, t1) / len(steady),
+        "critic_update_s_per_step": _busy(critic_update, t0, t1) / len(steady),
+        "critic_tail_s": critic_tail(spans["rollout"], annotate, per_step, t0, t1),
         # one step with the phases in series, and with generation beside the rest
         "bound_sum_s_per_step": gen_per_step + rest,
         "bound_max_s_per_step": max(gen_per_step, rest),
@@ -135,9 +162,7 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
         "gen_idle_share": 1 - gen_busy / wall,
         "train_idle_share": 1 - train_busy / wall,
         "gen_busy_s_per_step": gen_busy / (len(steps) - skip - 1),
-        "gen_end_spread_s": end_spread(
-            spans["rollout"], config.controller.prompts_per_step, t0, t1
-        ),
+        "gen_end_spread_s": end_spread(spans["rollout"], per_step, t0, t1),
         "train_busy_s_per_step": train_busy / (len(steps) - skip - 1),
         "samples_per_step": samples / (len(steps) - skip - 1),
         "mismatch_kl_step0": float(steps[0].get("mismatch/kl", float("nan"))),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from pipeline.bench.op_trace import OpChecksums, first_divergence
@@ -39,6 +41,7 @@ def test_the_first_differing_op_is_named_with_its_checksums() -> None:
     assert first["index"] == 1
     assert "add" in first["op"] and first["op"] == first["op_again"]
     assert first["checksums"] != first["checksums_again"]
+    assert first["inputs_differ"] is False  # the add itself made the difference
     assert report["ops_differing"] == report["ops"] - 1
     assert report["first_non_finite"] is None
 
@@ -73,4 +76,24 @@ def test_allocations_are_not_checksummed() -> None:
         buffer = torch.empty(64)
         buffer.fill_(1.0)
     assert [op.split()[0] for op in trace.ops] == ["aten.fill_.Scalar"]
-    assert trace.table().tolist() == [[64.0, 64.0]]
+    assert trace.table().tolist() == [[0.0, 0.0, 64.0, 64.0]]  # fill_ reads no tensor
+
+
+def test_a_write_outside_any_op_shows_as_inputs_that_differ() -> None:
+    """A kernel launched outside the dispatcher (a plain Triton launch) is invisible to the
+    trace: here a write through the output's raw pointer, as a kernel's. The next op is the
+    first that differs, and it says that its inputs did."""
+
+    def run(poke: bool) -> OpChecksums:
+        x = torch.ones(8)
+        with OpChecksums() as trace:
+            y = x * 2.0
+            if poke:
+                ctypes.c_float.from_address(y.data_ptr() + 3 * y.element_size()).value = 7.0
+            torch.exp(y)
+        return trace
+
+    report = first_divergence(run(False), run(True))
+    first = report["first_differing"]
+    assert first is not None and first["index"] == 1 and "exp" in first["op"]
+    assert first["inputs_differ"] is True

@@ -3,10 +3,12 @@ runs of the same computation (the SM-share bench's `--trace`).
 
 Each floating output of each op dispatched below autograd is reduced on its device to its
 sum and its L1 norm (float32 accumulation, no upcast copy), queued behind the op without a
-host sync, so the device keeps its queue as in an untraced run. Ops inside a compiled graph
-or a CUDA graph replay are not dispatched one by one: trace an eager run (`compile = false`,
-`trunk_graphs = false`) to see each kernel. A custom op (the Triton kernels of models/)
-shows as one op.
+host sync, so the device keeps its queue as in an untraced run; so are the op's floating
+inputs, together, before it runs. Ops inside a compiled graph or a CUDA graph replay are not
+dispatched one by one: trace an eager run (`compile = false`, `trunk_graphs = false`) to see
+each kernel. A custom op (the RoPE, norm and SwiGLU kernels of models/) shows as one op; a
+kernel launched outside any op (the log-prob statistics of models/logit_stats.py) shows as
+the first op whose inputs differ while every earlier output agreed (`inputs_differ`).
 """
 
 from __future__ import annotations
@@ -41,23 +43,50 @@ class OpChecksums(TorchDispatchMode):
         self._sums: list[Tensor] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         if func.overloadpacket in _UNINITIALISED:
-            return out
+            return func(*args, **kwargs)
+        inputs = _checksum(_read_only(func, args, kwargs))
+        out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
-                d = t.detach()
-                total = d.sum(dtype=torch.float32)
-                l1 = torch.linalg.vector_norm(d, 1, dtype=torch.float32)
-                self._sums.append(torch.stack([total, l1]))
+            if (row := _checksum([t])) is not None:
+                self._sums.append(torch.cat([inputs if inputs is not None else row * 0, row]))
                 self.ops.append(f"{func} {tuple(t.shape)}")
         return out
 
     def table(self) -> Tensor:
-        """(ops, 2) checksums on the host (this waits for the device)."""
+        """(ops, 4) checksums on the host (this waits for the device): the inputs' sum and
+        L1 norm, then the output's."""
         if not self._sums:
-            return torch.zeros(0, 2)
+            return torch.zeros(0, 4)
         return torch.stack(self._sums).cpu()
+
+
+def _read_only(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:
+    """The op's inputs it does not write (an in-place op's or an out= op's destination may
+    hold uninitialised memory)."""
+    written = {
+        a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    }
+    names = [a.name for a in func._schema.arguments]
+    kept = [v for name, v in zip(names, args, strict=False) if name not in written]
+    kept += [v for name, v in kwargs.items() if name not in written]
+    return tree_leaves(kept)
+
+
+def _checksum(leaves: list[Any]) -> Tensor | None:
+    """(sum, L1) over the non-empty floating tensors among `leaves`, None without any."""
+    tensors = [t.detach() for t in leaves if isinstance(t, Tensor) and t.is_floating_point()]
+    rows = [
+        torch.stack(
+            [t.sum(dtype=torch.float32), torch.linalg.vector_norm(t, 1, dtype=torch.float32)]
+        )
+        for t in tensors
+        if t.numel()
+    ]
+    if not rows:
+        return None
+    return rows[0] if len(rows) == 1 else torch.stack(rows).sum(0)
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
@@ -85,12 +114,15 @@ def first_divergence(first: OpChecksums, again: OpChecksums) -> dict[str, Any]:
 
         op, sums = side(first.ops, a)
         op_again, sums_again = side(again.ops, b)
+        inputs_differ = None if sums is None or sums_again is None else sums[:2] != sums_again[:2]
         return {
             "index": i,
             "op": op,
             "op_again": op_again,
             "checksums": sums,
             "checksums_again": sums_again,
+            # the op was handed different inputs: what wrote them ran outside any op
+            "inputs_differ": inputs_differ,
         }
 
     return {

@@ -155,14 +155,19 @@ class Service:
         waiter.add_done_callback(self._ack_waiters.discard)
 
     async def run(self) -> None:
-        """Default loop: take inputs, handle them concurrently, chain the acks."""
+        """Default loop: take inputs, handle them concurrently, chain the acks. Told to
+        stop, it cancels the handlers in flight (their inputs, unacknowledged, go again)."""
         assert self.ctx.input is not None
         running: set[asyncio.Task[None]] = set()
+        stopped = asyncio.ensure_future(self.ctx.stop.wait())
         try:
             while not self.ctx.stop.is_set():
                 if len(running) >= self.concurrency:
-                    done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
+                    done, _ = await asyncio.wait(
+                        [*running, stopped], return_when=asyncio.FIRST_COMPLETED
+                    )
+                    for task in done - {stopped}:
+                        running.discard(task)
                         task.result()  # fail the service visibly
                     continue
                 try:
@@ -171,7 +176,7 @@ class Service:
                     continue
                 running.add(asyncio.create_task(self.process(delivery)))
         finally:  # stopped, cancelled or failed: no handler outlives the loop
-            await cancel_and_wait(list(running))
+            await cancel_and_wait([*running, stopped])
 
 
 def _install_signals(stop: asyncio.Event) -> None:
@@ -303,7 +308,7 @@ async def serve(
         service.metrics.write({"kind": "ready", "start": started, "end": time.time()})
         main = asyncio.create_task(service.run())
         await _wait_stop(ctx, main)
-        # told to stop: the main loop ends before the teardown runs (a step or handler in
+        # told to stop: the main loop ends before the teardown runs (a learner's step in
         # flight may finish); what still runs after half the stop timeout is cancelled
         if not main.done():
             await asyncio.wait([main], timeout=config.supervisor.stop_timeout_s / 2)

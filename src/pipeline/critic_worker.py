@@ -89,8 +89,7 @@ class CriticWorker:
         if op == RankOp.SETUP:
             self.build(command.step)
         elif op == RankOp.ANNOTATE:
-            (group,) = decode_groups(command.groups)
-            self.annotate(group)
+            self.annotate(decode_groups(command.groups))
         elif op == RankOp.CLOSE:
             self.save_last()
         else:
@@ -123,15 +122,16 @@ class CriticWorker:
                 self.log.info("resumed", step=self.steps, kl_coef=self.kl_ctrl.value)
 
     def annotate(
-        self, group: GroupArrays, annotated: Callable[[], None] | None = None
+        self, groups: list[GroupArrays], annotated: Callable[[], None] | None = None
     ) -> tuple[float, float] | None:
         """Values, token rewards, advantages, returns (and reference log-probs when hosted
-        here) into the group's samples; a value update once a step's worth has passed.
-        Returns that update's wall-clock span, None without one.
+        here) into the groups' samples, in one forward; a value update once a step's worth
+        has passed (the service never hands a batch that crosses one). Returns that
+        update's wall-clock span, None without one.
 
-        `annotated` is called once the group is complete, before that update: the service
-        sends the group on then, so the learner's step does not wait for the critic's."""
-        batch = batch_from_groups([group])
+        `annotated` is called once the groups are complete, before that update: the service
+        sends them on then, so the learner's step does not wait for the critic's."""
+        batch = batch_from_groups(groups)
         info = self.trainer.info
         local = batch.shard(info.rank, info.world_size) if info.world_size > 1 else batch
         fields = list(ANNOTATED)
@@ -148,14 +148,16 @@ class CriticWorker:
             )
         else:
             batch = local
-        by_uid = {s.uid: s for s in group.samples}
+        by_uid = {s.uid: s for group in groups for s in group.samples}
         for name in fields:
             for uid, array in zip(batch.uids, batch.unpad(name), strict=True):
                 by_uid[uid].extra[name] = np.asarray(array, np.float32)
-        group.stats.update({k: float(metrics[k]) for k in _GROUP_STATS if k in metrics})
-        group.stats["critic/recompiles"] = self.recompiles.since()
-        group.stats.update(self.last_update)
-        self._seen.append(group)
+        stats = {k: float(metrics[k]) for k in _GROUP_STATS if k in metrics}
+        stats["critic/recompiles"] = self.recompiles.since()
+        for group in groups:  # the forward's figures, in each of its groups
+            group.stats.update(stats)
+            group.stats.update(self.last_update)
+        self._seen.extend(groups)
         if annotated is not None:
             annotated()
         if len(self._seen) < self.config.controller.prompts_per_step:

@@ -4,19 +4,27 @@ The model side (`CriticWorker`) runs on one trainer thread; a sharded critic's r
 sends its other ranks each call's command first (`TrainerThread`), so every rank runs the
 same methods in the same order. A restarted critic resumes from its latest checkpoint
 (`critic.checkpoint_every`): value model, optimizer, schedule and KL coefficient.
+
+Groups that arrive while the trainer thread is busy wait, and go into its next forward
+together (`critic.annotate_max_groups` at most, never across a value update). Which groups
+shared a forward is written to `critic/batches.jsonl`, so a replay batches them alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pipeline import codec
 from pipeline.messages import Experience, RankCommand, RankOp
 from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
-from pipeline.samples import read_group, write_group
+from pipeline.samples import GroupArrays, read_group, write_group
+from pipeline.transport.channel import cancel_and_wait
+
+BATCHES = "batches.jsonl"  # under <run>/critic/: the groups of each forward, by uid
 
 
 class CriticService(Service):
@@ -41,6 +49,14 @@ class CriticService(Service):
         super().__init__(ctx)
         # value updates still running after their step's last group went on
         self._updates: set[asyncio.Future[tuple[float, float] | None]] = set()
+        self.max_groups = ctx.config.critic.annotate_max_groups
+        self.per_step = ctx.config.controller.prompts_per_step
+        # room for a full batch to gather while the one before it is annotated
+        self.concurrency = max(type(self).concurrency, 2 * self.max_groups)
+        self._waiting: list[tuple[GroupArrays, asyncio.Future[None]]] = []
+        self._annotator: asyncio.Task[None] | None = None
+        self._since_update = 0  # groups annotated since the last value update
+        self._batches: IO[str] | None = None
 
     async def setup(self) -> None:
         from pipeline.critic_worker import CriticWorker
@@ -58,19 +74,55 @@ class CriticService(Service):
         if not hasattr(self, "worker"):
             return  # setup did not get that far
         try:
+            if self._annotator is not None:  # groups not yet in a forward stay unacknowledged
+                await cancel_and_wait([self._annotator])
             await self._finish_updates()
             if self.worker.trainer is not None:
                 await self.thread.run(self.worker.save_last, command=RankCommand(op=RankOp.CLOSE))
         finally:
             self.thread.close()
+            if self._batches is not None:
+                self._batches.close()
 
     async def handle(self, message: codec.Message) -> list[Output]:
-        """The group goes on as soon as it is annotated. A value update that follows it
-        keeps the trainer thread (the next group is annotated after it, as in one call)
-        but not the group: the learner trains beside the critic."""
+        """The group goes on as soon as its forward is done. A value update that follows
+        it keeps the trainer thread (the next groups are annotated after it, as in one
+        call) but not the group: the learner trains beside the critic."""
         self._raise_update_error()
         group = read_group(message)
-        command = RankCommand(op=RankOp.ANNOTATE, groups=encode_groups([group]))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((group, done))
+        if self._annotator is None or self._annotator.done():
+            self._annotator = asyncio.ensure_future(self._annotate_waiting())
+        await done  # the forward's error fails its groups
+        return [write_group(group, Experience)]
+
+    async def _annotate_waiting(self) -> None:
+        """The waiting groups, a forward at a time, in arrival order."""
+        while self._waiting:
+            room = min(self.max_groups, self.per_step - self._since_update)
+            taken, self._waiting = self._waiting[:room], self._waiting[room:]
+            groups = [group for group, _ in taken]
+            try:
+                await self._annotate(groups)
+            except BaseException as exc:
+                for _, done in taken:
+                    if not done.done():
+                        done.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+            else:
+                for _, done in taken:
+                    if not done.done():
+                        done.set_result(None)
+
+    async def _annotate(self, groups: list[GroupArrays]) -> None:
+        """One forward on the trainer thread; returns once the groups are complete (the
+        value update after them, if they end a step, goes on without them)."""
+        self._since_update = (self._since_update + len(groups)) % self.per_step
+        if self.max_groups > 1:
+            self._record([group.uid for group in groups])
+        command = RankCommand(op=RankOp.ANNOTATE, groups=encode_groups(groups))
         loop = asyncio.get_running_loop()
         annotated: asyncio.Future[None] = loop.create_future()
 
@@ -78,14 +130,22 @@ class CriticService(Service):
             loop.call_soon_threadsafe(_settle, annotated)
 
         call = asyncio.ensure_future(
-            self.thread.run(self.worker.annotate, group, on_annotated, command=command)
+            self.thread.run(self.worker.annotate, groups, on_annotated, command=command)
         )
         self._updates.add(call)
         await asyncio.wait([annotated, call], return_when=asyncio.FIRST_COMPLETED)
         call.add_done_callback(self._call_done)
         if call.done():
-            call.result()  # its error fails this group
-        return [write_group(group, Experience)]
+            call.result()  # its error fails these groups
+
+    def _record(self, uids: list[str]) -> None:
+        """Which groups share a forward, for a replay to batch them alike."""
+        if self._batches is None:
+            path = Path(self.ctx.run_dir) / "critic" / BATCHES
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._batches = path.open("a")
+        self._batches.write(json.dumps({"uids": uids}) + "\n")
+        self._batches.flush()
 
     def _call_done(self, call: asyncio.Future[tuple[float, float] | None]) -> None:
         """A finished call's value update into the run's timeline; an update that failed
@@ -100,7 +160,23 @@ class CriticService(Service):
             call.result()
 
     async def replay(self, messages: list[codec.Message], run_dir: Path) -> list[Output]:
-        outputs = await super().replay(messages, run_dir)
+        """The recorded groups in the forwards the run made (`critic/batches.jsonl`; one
+        group a forward where it has none), in its order; groups it does not list after."""
+        path = run_dir / "critic" / BATCHES
+        lines = path.read_text().splitlines() if path.exists() else []
+        pending = {}
+        for message in messages:
+            group = read_group(message)
+            pending.setdefault(group.uid, group)  # a redelivery is the same group
+        batches = [json.loads(line)["uids"] for line in lines]
+        listed = {uid for uids in batches for uid in uids}
+        batches += [[uid] for uid in pending if uid not in listed]
+        outputs: list[Output] = []
+        for uids in batches:
+            groups = [pending.pop(uid) for uid in uids if uid in pending]
+            if groups:
+                await self._annotate(groups)
+                outputs += [write_group(group, Experience) for group in groups]
         await self._finish_updates()
         return outputs
 

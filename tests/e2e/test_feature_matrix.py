@@ -331,6 +331,38 @@ def case_whitening_off(tmp_path: Path) -> None:
     assert all(abs(s["actor/advantages_std"] - 1.0) > 0.1 for s in run.steps)
 
 
+def case_critic_batches(tmp_path: Path) -> None:
+    """critic.annotate_max_groups: groups that waited share a forward (the record says
+    which), and `pipeline replay --service critic` follows the record to the same values,
+    bit for bit."""
+    run = run_pipeline(tmp_path, PPO, {"critic.annotate_max_groups": "4"})
+    batches = [
+        json.loads(line)["uids"]
+        for line in (run.dir / "critic/batches.jsonl").read_text().splitlines()
+    ]
+    assert max(len(uids) for uids in batches) > 1 and max(len(u) for u in batches) <= 4
+    annotated = {m.body.uid: m for m in run.queue("experience")}
+    assert {uid for uids in batches for uid in uids} >= set(annotated)
+    out = tmp_path / "replay"
+    cmd = [sys.executable, "-m", "pipeline.cli", "replay", str(run.dir)]
+    proc = subprocess.run(
+        [*cmd, "--service", "critic", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    replayed = {
+        m.body.uid: m for m in (r.decode() for r in QueueReader(out / "queues/experience.log"))
+    }
+    assert replayed.keys() == annotated.keys()
+    for uid, message in annotated.items():
+        for name in ("values", "advantages", "returns"):
+            for a, b in zip(_tensors(message, name), _tensors(replayed[uid], name), strict=True):
+                assert np.array_equal(a, b), (uid, name)
+
+
 def case_reference_service(tmp_path: Path) -> None:
     run = run_pipeline(
         tmp_path,
@@ -554,6 +586,7 @@ CASES: dict[str, Callable[..., None]] = {
 # each; tests/algorithms/test_aggregation.py checks each mode's arithmetic), and each run
 # recomputes its first step under all three modes; the other two runs are slow
 FAST = {
+    "critic_batches",
     "kl_in_reward_adaptive",
     "vtrace_staleness_2",
     "reference_service",
@@ -590,4 +623,4 @@ def test_feature_slow(tmp_path: Path, case: str, kwargs: dict[str, Any]) -> None
 
 def test_every_case_is_collected_once() -> None:
     ids = [p.id for p in _params(True) + _params(False)]
-    assert len(ids) == len(set(ids)) == 24
+    assert len(ids) == len(set(ids)) == 25

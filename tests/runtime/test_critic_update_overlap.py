@@ -76,7 +76,7 @@ async def test_the_steps_last_group_goes_on_while_the_value_update_runs(tmp_path
     single.build(-1)
     expected = _groups(seed=3)
     for group in expected:
-        single.annotate(group)
+        single.annotate([group])
     got = read_group(_decoded(late_out))
     assert single.steps == 1
     for want, have in zip(expected[2].samples, got.samples, strict=True):

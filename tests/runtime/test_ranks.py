@@ -334,7 +334,7 @@ def _critic_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             await thread.run(worker.build, -1, command=RankCommand(op=RankOp.SETUP, step=-1))
             for group in groups:  # the third comes after a value update on the first two
                 command = RankCommand(op=RankOp.ANNOTATE, groups=ranks.encode_groups([group]))
-                await thread.run(worker.annotate, group, command=command)
+                await thread.run(worker.annotate, [group], command=command)
             thread.close()
 
         asyncio.run(annotate_all())
@@ -360,7 +360,7 @@ def test_a_sharded_critic_annotates_like_one_process(tmp_path):
     single.build(-1)
     expected_groups = _groups(seed=1)
     for group in expected_groups:
-        single.annotate(group)
+        single.annotate([group])
     expected = _annotations(expected_groups)
 
     mp.spawn(_critic_worker, args=(free_port(), model_dir, str(tmp_path)), nprocs=WORLD, join=True)

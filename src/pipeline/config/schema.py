@@ -379,6 +379,17 @@ class CriticConfig:
     checkpoint_every_s: float = 300.0
     # checkpoints kept on disk (the newest; older ones are deleted)
     keep_checkpoints: int = 2
+    # groups that arrived while the critic was busy, annotated in one forward (at most this
+    # many, never across a value update): fewer, larger forwards. 1: one group a forward.
+    # An adaptive KL controller (algorithm.kl_ctrl_type) then updates once per forward.
+    # The batches go to runs/<name>/critic/batches.jsonl, which `pipeline replay` follows
+    annotate_max_groups: int = 1
+
+    def validate(self) -> None:
+        _require(
+            "critic.annotate_max_groups", self.annotate_max_groups, self.annotate_max_groups >= 1,
+            ">= 1",
+        )  # fmt: skip
 
 
 # where the frozen reference policy's log-probs are computed, when KL needs them

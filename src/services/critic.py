@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline import codec
+from pipeline.errors import RecordingError
 from pipeline.messages import Experience, RankCommand, RankOp
 from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
@@ -105,12 +106,14 @@ class CriticService(Service):
             groups = [group for group, _ in taken]
             try:
                 await self._annotate(groups)
-            except BaseException as exc:
+            except asyncio.CancelledError:  # the service stops: nothing more is annotated
+                for _, done in taken + self._waiting:
+                    done.cancel()
+                raise
+            except Exception as exc:
                 for _, done in taken:
                     if not done.done():
                         done.set_exception(exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
             else:
                 for _, done in taken:
                     if not done.done():
@@ -162,13 +165,11 @@ class CriticService(Service):
     async def replay(self, messages: list[codec.Message], run_dir: Path) -> list[Output]:
         """The recorded groups in the forwards the run made (`critic/batches.jsonl`; one
         group a forward where it has none), in its order; groups it does not list after."""
-        path = run_dir / "critic" / BATCHES
-        lines = path.read_text().splitlines() if path.exists() else []
         pending = {}
         for message in messages:
             group = read_group(message)
             pending.setdefault(group.uid, group)  # a redelivery is the same group
-        batches = [json.loads(line)["uids"] for line in lines]
+        batches = _recorded_batches(run_dir / "critic" / BATCHES)
         listed = {uid for uids in batches for uid in uids}
         batches += [[uid] for uid in pending if uid not in listed]
         outputs: list[Output] = []
@@ -184,6 +185,23 @@ class CriticService(Service):
         for call in list(self._updates):
             await call
         self._raise_update_error()
+
+
+def _recorded_batches(path: Path) -> list[list[str]]:
+    """The uids of each forward a run recorded (none without the file). A last line cut
+    short (the critic killed while writing it) is left out; a damaged line before it is
+    refused with its number."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    batches = []
+    for number, line in enumerate(lines, 1):
+        try:
+            batches.append([str(uid) for uid in json.loads(line)["uids"]])
+        except (ValueError, KeyError, TypeError) as exc:
+            if number < len(lines):
+                raise RecordingError(f"{path}: line {number} is not a batch: {exc}") from exc
+    return batches
 
 
 def _settle(future: asyncio.Future[None]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from pipeline.critic_worker import CriticWorker
 from pipeline.runtime.service import ServiceContext
@@ -98,3 +99,18 @@ async def test_one_group_a_forward_records_no_batches(tmp_path: Path):
     run = await _serve(_critic_config(model), tmp_path / "run", hold_first_update=True)
     assert not (tmp_path / "run/critic/batches.jsonl").exists()
     assert run["updates"] == 2 and len(run["groups"]) == 5
+
+
+def test_a_record_cut_short_is_read_up_to_its_last_whole_line(tmp_path: Path):
+    """A critic killed while writing leaves half a line at the end: left out. A damaged line
+    before the end is refused with its number."""
+    from pipeline.errors import RecordingError
+    from services.critic import _recorded_batches
+
+    path = tmp_path / "batches.jsonl"
+    path.write_text('{"uids": ["p0"]}\n{"uids": ["p1", "p2"]}\n{"uids": ["p')
+    assert _recorded_batches(path) == [["p0"], ["p1", "p2"]]
+    path.write_text('{"uids": ["p0"]}\n{"uid\n{"uids": ["p3"]}\n')
+    with pytest.raises(RecordingError, match="line 2"):
+        _recorded_batches(path)
+    assert _recorded_batches(tmp_path / "absent.jsonl") == []

@@ -65,7 +65,8 @@ def _steps(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-def test_each_role_killed_in_turn_the_run_completes_and_nothing_is_lost(tmp_path):
+@pytest.mark.parametrize("critic_groups", ["1", "4"])  # critic.annotate_max_groups
+def test_each_role_killed_in_turn_the_run_completes_and_nothing_is_lost(tmp_path, critic_groups):
     runs = tmp_path / "runs"
     cmd = [
         sys.executable, "-m", "pipeline.cli", "run",
@@ -76,6 +77,7 @@ def test_each_role_killed_in_turn_the_run_completes_and_nothing_is_lost(tmp_path
         "--learner.checkpoint_every", "1",
         "--controller.step_timeout_s", "120",
         "--learner.trainer.total_steps", str(STEPS),
+        "--critic.annotate_max_groups", critic_groups,
     ]  # fmt: skip
     log = (tmp_path / "run.log").open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

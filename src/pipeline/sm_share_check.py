@@ -11,17 +11,17 @@ refuses the share at start instead, naming the setting.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import ConfigError
+from pipeline.runtime.gpu_sharing import SHARE_ENV
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from pipeline.config import PipelineConfig
-
-SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # what GpuSharing.apply sets for a share
 
 
 class SmShareRefused(ConfigError):
@@ -40,8 +40,6 @@ def sm_share(env: Mapping[str, str] = os.environ) -> int | None:
 def check_repeatable(role: str, what: str, share: int, compute: Callable[[], Tensor]) -> float:
     """`compute()` twice: the same values, all finite, or SmShareRefused. Returns the
     seconds both took."""
-    import time
-
     import torch
 
     start = time.perf_counter()

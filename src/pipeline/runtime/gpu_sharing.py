@@ -26,6 +26,7 @@ from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
+SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # a client's share of the SMs, in percent
 # why auto takes time-slicing at staleness 0: nothing runs beside generation then, and an
 # SM share would only slow the trainer down
 SYNC_REASON = "staleness 0: generation and training take turns"
@@ -69,9 +70,9 @@ class GpuSharing:
             env["CUDA_MPS_PIPE_DIRECTORY"] = f"{self.directory}/pipe"
             env["CUDA_MPS_LOG_DIRECTORY"] = f"{self.directory}/log"
         if self.shares.get(role):
-            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.shares[role])
+            env[SHARE_ENV] = str(self.shares[role])
         else:
-            env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+            env.pop(SHARE_ENV, None)
         if self.priorities.get(role):
             env["CUDA_MPS_CLIENT_PRIORITY"] = str(self.priorities[role])
         else:

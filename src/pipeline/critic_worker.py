@@ -24,7 +24,6 @@ from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp
 from pipeline.runtime.ranks import decode_groups
 from pipeline.samples import GroupArrays
-from pipeline.sm_share_check import check_sm_share
 from pipeline.trainer_setup import Recompiles, batch_from_groups, reference_config, warm_up
 
 ANNOTATED = ("values", "advantages", "returns", "rewards")
@@ -54,9 +53,7 @@ def critic_parts(config: PipelineConfig, directory: Path) -> tuple[Any, Any]:
     if config.reference_host() == "critic":
         ref = reference_config(config, config.critic.trainer.device)
         reference = ReferencePolicy(str(directory), ref, dist=trainer.info)
-    log = get_logger("critic_worker")
-    warm_up(log, config, [trainer, reference])
-    check_sm_share(log, config, "critic", [trainer, reference])
+    warm_up(get_logger("critic_worker"), config, "critic", [trainer, reference])
     return trainer, reference
 
 

@@ -22,7 +22,6 @@ from pipeline.log import get_logger
 from pipeline.messages import RankCommand, RankOp, StepDone
 from pipeline.runtime.ranks import decode_groups
 from pipeline.samples import GroupArrays, on_policy
-from pipeline.sm_share_check import check_sm_share
 from pipeline.trainer_setup import batch_from_groups, policy_config, warm_up
 
 
@@ -53,9 +52,7 @@ def policy_parts(config: PipelineConfig, directory: Path) -> Any:
 
     torch.set_num_threads(max(1, config.run.torch_threads))
     trainer = PolicyTrainer(str(directory), policy_config(config), config.algorithm)
-    log = get_logger("learner_worker")
-    warm_up(log, config, [trainer])
-    check_sm_share(log, config, "learner", [trainer])
+    warm_up(get_logger("learner_worker"), config, "learner", [trainer])
     return trainer
 
 

@@ -76,15 +76,18 @@ def compile_report() -> dict[str, Any]:
     return {"compile_phases": phases, "compile_caches": caches}
 
 
-def warm_up(log: Any, config: PipelineConfig, parts: list[Any]) -> None:
+def warm_up(log: Any, config: PipelineConfig, role: str, parts: list[Any]) -> None:
     """Warm up every part (a trainer or the reference) that compiles, on batches of the
-    run's lengths, and log what it took (`warmed_up`)."""
-    parts = [p for p in parts if p is not None and compiles(p.config)]
-    if not parts:
-        return
-    batches = warm_up_batches(config, parts[0].model.config.vocab_size)
-    seconds = sum(part.warm_up(batches) for part in parts)
-    log.info("warmed_up", seconds=round(seconds, 2), **compile_counts(), **compile_report())
+    run's lengths, and log what it took (`warmed_up`); then, in a process given a share of
+    the GPU's SMs, check that each part's forward repeats (`check_sm_share`)."""
+    from pipeline.sm_share_check import check_sm_share
+
+    compiling = [p for p in parts if p is not None and compiles(p.config)]
+    if compiling:
+        batches = warm_up_batches(config, compiling[0].model.config.vocab_size)
+        seconds = sum(part.warm_up(batches) for part in compiling)
+        log.info("warmed_up", seconds=round(seconds, 2), **compile_counts(), **compile_report())
+    check_sm_share(log, config, role, parts)
 
 
 def compiles(trainer: TrainerConfig) -> bool:

@@ -18,7 +18,6 @@ from pipeline.messages import Scored
 from pipeline.runtime.ranks import TrainerThread
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group, write_group
-from pipeline.sm_share_check import check_sm_share
 from pipeline.trainer_setup import Recompiles, batch_from_groups, reference_config, warm_up
 
 
@@ -41,8 +40,7 @@ class ReferenceService(Service):
         torch.set_num_threads(max(1, self.config.run.torch_threads))
         directory = model_dir(self.config, Path(self.ctx.run_dir))
         reference = ReferencePolicy(str(directory), reference_config(self.config, "auto"))
-        warm_up(self.log, self.config, [reference])  # now, before the first group
-        check_sm_share(self.log, self.config, "reference", [reference])
+        warm_up(self.log, self.config, "reference", [reference])  # before the first group
         return reference
 
     def _annotate(self, group: GroupArrays) -> None:

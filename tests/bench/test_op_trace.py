@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
 
 from pipeline.bench.op_trace import OpChecksums, first_divergence
@@ -97,3 +98,23 @@ def test_a_write_outside_any_op_shows_as_inputs_that_differ() -> None:
     first = report["first_differing"]
     assert first is not None and first["index"] == 1 and "exp" in first["op"]
     assert first["inputs_differ"] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ops_that_move_tensors_between_devices_are_traced() -> None:
+    """A copy to the host (the log-probs a forward hands back) has its inputs on the GPU
+    and its output on the CPU; both sides of the trace's row, and the table, still form."""
+
+    def moved(x: torch.Tensor) -> OpChecksums:
+        with OpChecksums() as trace:
+            host = (x * 2.0).cpu()
+            (host.cuda() + 1.0).sum()
+        return trace
+
+    x = torch.rand(8, 16, device="cuda")
+    a, b = moved(x), moved(x)
+    assert a.table().shape == (len(a.ops), 4)
+    report = first_divergence(a, b)
+    assert report["ops"] >= 4
+    assert report["ops_differing"] == 0

@@ -50,16 +50,22 @@ class OpChecksums(TorchDispatchMode):
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if (row := _checksum([t])) is not None:
-                self._sums.append(torch.cat([inputs if inputs is not None else row * 0, row]))
+                # a copy between devices (.cpu()) has its inputs on one, its output on the other
+                head = row * 0 if inputs is None else inputs.to(row.device)
+                self._sums.append(torch.cat([head, row]))
                 self.ops.append(f"{func} {tuple(t.shape)}")
         return out
 
     def table(self) -> Tensor:
         """(ops, 4) checksums on the host (this waits for the device): the inputs' sum and
         L1 norm, then the output's."""
-        if not self._sums:
-            return torch.zeros(0, 4)
-        return torch.stack(self._sums).cpu()
+        out = torch.zeros(len(self._sums), 4)
+        rows: dict[torch.device, list[int]] = {}
+        for i, sums in enumerate(self._sums):
+            rows.setdefault(sums.device, []).append(i)
+        for index in rows.values():  # one copy a device
+            out[index] = torch.stack([self._sums[i] for i in index]).cpu()
+        return out
 
 
 def _read_only(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:

@@ -1,7 +1,7 @@
 """Checksums of every op's outputs, to find the first op whose result differs between two
 runs of the same computation (the SM-share bench's `--trace`).
 
-Each floating output of each op dispatched below autograd is reduced on its device to its
+Each floating output of each op dispatched below autograd (views left out) is reduced on its device to its
 sum and its L1 norm (float32 accumulation, no upcast copy), queued behind the op without a
 host sync, so the device keeps its queue as in an untraced run; so are the op's floating
 inputs, together, before it runs. Ops inside a compiled graph or a CUDA graph replay are not
@@ -44,7 +44,7 @@ class OpChecksums(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.overloadpacket in _UNINITIALISED:
+        if func.overloadpacket in _UNINITIALISED or _is_view(func):
             return func(*args, **kwargs)
         inputs = _checksum(_read_only(func, args, kwargs))
         out = func(*args, **kwargs)
@@ -66,6 +66,15 @@ class OpChecksums(TorchDispatchMode):
         for index in rows.values():  # one copy a device
             out[index] = torch.stack([self._sums[i] for i in index]).cpu()
         return out
+
+
+def _is_view(func: Any) -> bool:
+    """A view (slice, select, view...) computes nothing: its values are its base's, which
+    may still be uninitialised memory that a later op writes."""
+    returns = func._schema.returns
+    return bool(returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns
+    )
 
 
 def _read_only(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:

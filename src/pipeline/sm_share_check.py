@@ -1,11 +1,14 @@
 """A service capped to a share of the GPU's SMs (`services.ROLE.gpu_share` under CUDA MPS)
-checks, before its first batch, that its model's forward gives the same result twice.
+checks, before its first batch, that its matrix products are right and that its model's
+forward gives the same result twice.
 
-On an H100 the learner's log-probs at 80 % of the SMs differed between two computations
-of the same batch by up to 2.8 and were NaN in a whole run, where at 100 % they were
-bitwise equal (docs/performance.md, "SM share"); the cause is not found yet. A run that
-meets it would train on wrong log-probs until every update is skipped, so the service
-refuses the share at start instead, naming the setting.
+On an H100 under MPS, cuBLAS matrix products came out wrong with some shares: at 80 % of
+the SMs (104) the forward's, at 70 % (92) the backward's, which trained the policy on
+gradients 4000 times too large while its log-probs still matched (docs/performance.md,
+"SM share"). So the check multiplies random matrices of the shapes the model's layers
+run, forward and both backward products, against a float32 host reference on a sample of
+rows and columns, then computes the forward of a step's batch twice. A service that fails
+either refuses the share at start, naming the setting.
 """
 
 from __future__ import annotations
@@ -77,11 +80,82 @@ def check_sm_share(
         return
     from pipeline.trainer_setup import warm_up_batches
 
+    for part in parts:
+        seconds = check_products(role, share, product_shapes(part), part.info.device, _dtype(part))
+        log.info("sm_share_checked", share=share, what="matrix products", seconds=round(seconds, 2))
     batch = warm_up_batches(config, parts[0].model.config.vocab_size)[0]
     for part in parts:
         what, forward = _forward(part)
         seconds = check_repeatable(role, what, share, lambda f=forward: f(batch))
         log.info("sm_share_checked", share=share, what=what, seconds=round(seconds, 2))
+
+
+def product_shapes(part: Any) -> list[tuple[int, int, int]]:
+    """(rows, inner, out) of each layer's forward product at the part's micro-batch sizes:
+    every 2-D weight's shape at the training and the no-grad token counts; the output
+    layer's (vocabulary rows) at its chunk."""
+    cfg = part.config
+    counts = {cfg.max_tokens_per_micro_batch, cfg.infer_max_tokens_per_micro_batch or 0} - {0}
+    weights = {tuple(p.shape) for p in part.model.parameters() if p.dim() == 2}
+    shapes = set()
+    for out, inner in weights:
+        chunk = cfg.logprob_chunk_tokens if out == part.model.config.vocab_size else None
+        shapes |= {(min(rows, chunk) if chunk else rows, inner, out) for rows in counts}
+    return sorted(shapes)
+
+
+def check_products(
+    role: str,
+    share: int,
+    shapes: list[tuple[int, int, int]],
+    device: Any,
+    dtype: Any,
+    matmul: Callable[[Tensor, Tensor], Tensor] | None = None,
+    sample: int = 64,
+) -> float:
+    """For each (rows, inner, out): the forward product x @ w.T and the backward ones (the
+    input's gradient g @ w, the weight's g.T @ x) of random matrices in `dtype` on
+    `device`, compared on `sample` rows (columns of the weight's) with float32 products on
+    the host; SmShareRefused where one is off by more than 2 % of its largest value or not
+    finite. Returns the seconds it took."""
+    import torch
+
+    mm = matmul or torch.matmul
+    start = time.perf_counter()
+    gen = torch.Generator(device).manual_seed(0)
+
+    def randn(*size: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(size, generator=gen, device=device) * scale).to(dtype)
+
+    for rows, inner, out in shapes:
+        x, w, g = randn(rows, inner), randn(out, inner, scale=inner**-0.5), randn(rows, out)
+        take = torch.randperm(rows, generator=gen, device=device)[:sample]
+        cols = torch.randperm(out, generator=gen, device=device)[:sample]
+        host_w = w.float().cpu()
+        products = {  # what the device computed, what the host does in float32
+            "forward": (mm(x, w.T)[take], x[take].float().cpu() @ host_w.T),
+            "input gradient": (mm(g, w)[take], g[take].float().cpu() @ host_w),
+            "weight gradient": (mm(g.T, x)[cols], g[:, cols].float().cpu().T @ x.float().cpu()),
+        }
+        for name, (got, want) in products.items():
+            got = got.float().cpu()
+            err = float((got - want).abs().nan_to_num(float("inf")).max())
+            scale = float(want.abs().max())
+            if not err <= 0.02 * scale:
+                raise SmShareRefused(
+                    f"services.{role}.gpu_share = {share}: the {name} product of a layer "
+                    f"{inner} -> {out} at {rows} tokens, on {share} % of the GPU's SMs, is "
+                    f"off by up to {err:.3g} (values up to {scale:.3g}), so the run would "
+                    "train on wrong numbers (a defect of matrix products under some "
+                    "shares, docs/performance.md); set "
+                    f"services.{role}.gpu_share = 0 (the whole GPU) or another share"
+                )
+    return time.perf_counter() - start
+
+
+def _dtype(part: Any) -> Any:
+    """The dtype a part's layers compute in."""
+    return part.config.compute_dtype(part.info.device)
 
 
 def _forward(part: Any) -> tuple[str, Callable[[Any], Tensor]]:

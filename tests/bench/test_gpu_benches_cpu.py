@@ -357,6 +357,7 @@ def test_sm_share_cpu(tmp_path: Path) -> None:
         assert row["config"] == {"shape": "tiny", "batch": 4, "seq": 48}
         assert row["trace"]["ops"] == row["trace"]["ops_again"] > 0
         assert row["trace"]["first_non_finite"] is None
+        assert row["products"] == "ok"  # the services' start-up check of the products
     assert rows[0]["vs_profile_max_abs_diff"] == 0.0
     # another chunking of the output layer: the same log-probs up to float32 rounding
     assert 0.0 <= rows[1]["vs_profile_max_abs_diff"] < 1e-3

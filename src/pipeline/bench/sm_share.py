@@ -16,7 +16,9 @@ trunk graphs are captured then), and computes the response log-probs of one fixe
 twice (`PolicyTrainer.compute_logprobs`, the proximal forward). Each result is compared with
 the same variant's at 100 %: one JSON line per variant and share with the largest absolute
 difference, the NaN count, the difference between the child's own two computations, and
-the largest difference from the profile's own knobs at 100 % (`vs_profile_max_abs_diff`).
+the largest difference from the profile's own knobs at 100 % (`vs_profile_max_abs_diff`),
+and what the services' start-up check of the layers' matrix products says at that share
+(`products`: "ok" or the refusal, sm_share_check.py).
 On CPU (no MPS) every variant runs once without a share: the plumbing only.
 
 `--trace` checksums every op of the two computations (`op_trace.py`) and reports the first
@@ -70,10 +72,12 @@ def child(args: argparse.Namespace) -> None:
     batch, _ = synthetic_batch(args.batch, args.seq, args.prompt, vocab, args.seed)
     trainer.warm_up([batch])
     label = device_label(torch.device(args.device))
+    products = _products(trainer)
     if not args.trace:
         first = trainer.compute_logprobs(batch).float().cpu()
         again = trainer.compute_logprobs(batch).float().cpu()
-        torch.save({"first": first, "again": again, "device": label}, args.out)
+        saved = {"first": first, "again": again, "device": label, "products": products}
+        torch.save(saved, args.out)
         return
     from pipeline.bench.op_trace import OpChecksums, first_divergence
 
@@ -82,7 +86,27 @@ def child(args: argparse.Namespace) -> None:
     with OpChecksums() as traced_again:
         again = trainer.compute_logprobs(batch).float().cpu()
     trace = first_divergence(traced, traced_again)
-    torch.save({"first": first, "again": again, "device": label, "trace": trace}, args.out)
+    saved = {"first": first, "again": again, "device": label, "trace": trace}
+    torch.save({**saved, "products": products}, args.out)
+
+
+def _products(trainer: Any) -> str:
+    """The start-up check of the layers' matrix products at this process's share: "ok" or
+    why a service would refuse it."""
+    from pipeline.sm_share_check import SmShareRefused, check_products, product_shapes, sm_share
+
+    share = sm_share() or 100
+    try:
+        check_products(
+            "learner",
+            share,
+            product_shapes(trainer),
+            trainer.info.device,
+            trainer.config.compute_dtype(trainer.info.device),
+        )
+    except SmShareRefused as refused:
+        return str(refused)
+    return "ok"
 
 
 def compare(result: dict[str, Any], base: torch.Tensor) -> dict[str, Any]:
@@ -153,6 +177,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "share": share,
                         **compare(results[share], results[100]["first"]),
                         "vs_profile_max_abs_diff": compare(results[share], profile)["max_abs_diff"],
+                        "products": results[share]["products"],
                         "device": results[share]["device"],
                         **({"trace": results[share]["trace"]} if args.trace else {}),
                         "config": {k: getattr(args, k) for k in ("shape", "batch", "seq")},

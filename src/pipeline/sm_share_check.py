@@ -93,14 +93,19 @@ def check_sm_share(
 def product_shapes(part: Any) -> list[tuple[int, int, int]]:
     """(rows, inner, out) of each layer's forward product at the part's micro-batch sizes:
     every 2-D weight's shape at the training and the no-grad token counts; the output
-    layer's (vocabulary rows) at its chunk."""
+    layer's (vocabulary rows) at its log-prob chunk, and at the training count too where
+    the logits are kept for backward (one product over the micro-batch)."""
     cfg = part.config
-    counts = {cfg.max_tokens_per_micro_batch, cfg.infer_max_tokens_per_micro_batch or 0} - {0}
+    train = cfg.max_tokens_per_micro_batch
+    counts = {train, cfg.infer_max_tokens_per_micro_batch or train}
     weights = {tuple(p.shape) for p in part.model.parameters() if p.dim() == 2}
     shapes = set()
     for out, inner in weights:
-        chunk = cfg.logprob_chunk_tokens if out == part.model.config.vocab_size else None
-        shapes |= {(min(rows, chunk) if chunk else rows, inner, out) for rows in counts}
+        rows = counts
+        if out == part.model.config.vocab_size:
+            rows = {min(n, cfg.logprob_chunk_tokens) for n in counts}
+            rows |= {train} if cfg.logprob_keep_logits else set()
+        shapes |= {(n, inner, out) for n in rows}
     return sorted(shapes)
 
 

@@ -8,6 +8,7 @@ names, skips, merging) is checked without running any bench.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -312,6 +313,8 @@ def test_e2e_preset_cpu(tmp_path: Path) -> None:
     assert config["critic_tail_s"] > 0  # a step's last group leaves the critic after the rollout
     assert config["bound_max_s_per_step"] <= config["bound_sum_s_per_step"]
     assert config["skipped_updates"] == 0  # counted: the bench fails a run that skipped
+    # the policy's gradient norm, at step 0 and over the run (to set beside a baseline's)
+    assert 0 < config["grad_norm_step0"] < math.inf and 0 < config["grad_norm_median"] < math.inf
     # a step's groups finish within its generation phase
     assert 0 <= config["gen_end_spread_s"] <= config["gen_busy_s_per_step"]
     # the rollout phase against the decode memory bound at this device's copy bandwidth

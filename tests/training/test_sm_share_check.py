@@ -4,6 +4,7 @@ fails."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def test_non_finite_results_refuse_the_share() -> None:
 
 def test_the_products_checked_are_the_layers_at_the_micro_batch_sizes(tmp_path: Path) -> None:
     """Every 2-D weight at the training and the no-grad token counts; the output layer's
-    (vocabulary rows) at its log-prob chunk."""
+    (vocabulary rows) at its log-prob chunk, and at the training count where its logits are
+    kept for backward."""
     save_model(make_model(), tmp_path / "model")
     cpu = TrainerConfig(
         device="cpu",
@@ -99,9 +101,15 @@ def test_the_products_checked_are_the_layers_at_the_micro_batch_sizes(tmp_path: 
     weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
     shapes = product_shapes(policy)
     assert {(out, inner) for _, inner, out in shapes} == weights
-    for rows, _, out in shapes:
-        assert rows == 32 if out == vocab else rows in (96, 160)
+    assert {rows for rows, _, out in shapes if out == vocab} == {32}
+    assert {rows for rows, _, out in shapes if out != vocab} == {96, 160}
     assert check_products("learner", 80, shapes, torch.device("cpu"), torch.float32) >= 0.0
+    kept = PolicyTrainer(
+        tmp_path / "model",
+        dataclasses.replace(cpu, logprob_keep_logits=True),
+        AlgorithmConfig(),
+    )
+    assert {rows for rows, _, out in product_shapes(kept) if out == vocab} == {32, 96}
 
 
 def _wrong_for(kind: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

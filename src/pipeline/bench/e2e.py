@@ -166,6 +166,12 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
         "train_busy_s_per_step": train_busy / (len(steps) - skip - 1),
         "samples_per_step": samples / (len(steps) - skip - 1),
         "mismatch_kl_step0": float(steps[0].get("mismatch/kl", float("nan"))),
+        # the policy's gradient norm, to set beside a baseline's: a run at an SM share
+        # trained on norms 4000 times too large while its log-probs still matched
+        "grad_norm_step0": float(steps[0].get("actor/grad_norm", float("nan"))),
+        "grad_norm_median": statistics.median(
+            [s.get("actor/grad_norm", float("nan")) for s in steps]
+        ),
         # optimizer steps skipped for a non-finite loss or gradient: a run that skipped
         # them trained on nothing, and its speed measures nothing
         "skipped_updates": sum(

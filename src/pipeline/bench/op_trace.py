@@ -1,10 +1,10 @@
 """Checksums of every op's outputs, to find the first op whose result differs between two
 runs of the same computation (the SM-share bench's `--trace`).
 
-Each floating output of each op dispatched below autograd (views left out) is reduced on its device to its
-sum and its L1 norm (float32 accumulation, no upcast copy), queued behind the op without a
-host sync, so the device keeps its queue as in an untraced run; so are the op's floating
-inputs, together, before it runs. Ops inside a compiled graph or a CUDA graph replay are not
+Each floating output of each op dispatched below autograd (views left out) is reduced on
+its device to its sum and its L1 norm (float32 accumulation, no upcast copy), queued behind
+the op without a host sync, so the device keeps its queue as in an untraced run; so are the
+op's floating inputs, together, before it runs. Ops inside a compiled graph or a CUDA graph replay are not
 dispatched one by one: trace an eager run (`compile = false`, `trunk_graphs = false`) to see
 each kernel. A custom op (the RoPE, norm and SwiGLU kernels of models/) shows as one op; a
 kernel launched outside any op (the log-prob statistics of models/logit_stats.py) shows as

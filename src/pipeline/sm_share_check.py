@@ -4,9 +4,10 @@ forward gives the same result twice.
 
 On an H100 under MPS, cuBLAS matrix products came out wrong at 80 % of the SMs (104), and
 at 70 % (92) the backward went wrong (its op not yet traced): the policy trained on
-gradients 4000 times too large while its log-probs still matched (docs/performance.md). So the check multiplies random matrices of the shapes the model's layers
-run, forward and both backward products, against a float32 host reference on a sample of
-rows and columns, then computes the forward of a step's batch twice. A service that fails
+gradients 4000 times too large while its log-probs still matched (docs/performance.md).
+So the check multiplies random matrices of the shapes the model's layers run, forward and
+both backward products, against a float32 host reference on a sample of rows and
+columns, then computes the forward of a step's batch twice. A service that fails
 either refuses the share at start, naming the setting.
 """
 

@@ -43,12 +43,12 @@ from pipeline.runtime.journal import (
     Journal,
     ReleasedPrompt,
     RunState,
-    complete_lines,
     load_state,
     prompt_uid,
     release_record,
     step_key,
 )
+from pipeline.runtime.json_lines import complete_lines
 from pipeline.runtime.service import MetricsWriter
 from pipeline.step_log import StepLog
 from pipeline.transport import ControlServer, QueueServer

@@ -13,13 +13,13 @@ shared a forward is written to `critic/batches.jsonl`, so a replay batches them 
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from pipeline import codec
 from pipeline.errors import RecordingError
 from pipeline.messages import Experience, RankCommand, RankOp
+from pipeline.runtime.json_lines import DamagedLine, JsonLines, read_json_lines
 from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, read_group, write_group
@@ -57,7 +57,7 @@ class CriticService(Service):
         self._waiting: list[tuple[GroupArrays, asyncio.Future[None]]] = []
         self._annotator: asyncio.Task[None] | None = None
         self._since_update = 0  # groups annotated since the last value update
-        self._batches: IO[str] | None = None
+        self._batches: JsonLines | None = None
 
     async def setup(self) -> None:
         from pipeline.critic_worker import CriticWorker
@@ -142,13 +142,12 @@ class CriticService(Service):
             call.result()  # its error fails these groups
 
     def _record(self, uids: list[str]) -> None:
-        """Which groups share a forward, for a replay to batch them alike."""
+        """Which groups share a forward, for a replay to batch them alike (not fsynced:
+        a machine that dies loses only the exactness of a replay)."""
         if self._batches is None:
             path = Path(self.ctx.run_dir) / "critic" / BATCHES
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._batches = path.open("a")
-        self._batches.write(json.dumps({"uids": uids}) + "\n")
-        self._batches.flush()
+            self._batches = JsonLines(path, durable=False)  # cuts a killed writer's half line
+        self._batches.append({"uids": uids})
 
     def _call_done(self, call: asyncio.Future[tuple[float, float] | None]) -> None:
         """A finished call's value update into the run's timeline; an update that failed
@@ -191,16 +190,16 @@ def _recorded_batches(path: Path) -> list[list[str]]:
     """The uids of each forward a run recorded (none without the file). A last line cut
     short (the critic killed while writing it) is left out; a damaged line before it is
     refused with its number."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
+    try:
+        records = read_json_lines(path)
+    except DamagedLine as exc:
+        raise RecordingError(f"{path}: line {exc.number} is not a batch: {exc.error}") from exc
     batches = []
-    for number, line in enumerate(lines, 1):
+    for number, record in enumerate(records, 1):
         try:
-            batches.append([str(uid) for uid in json.loads(line)["uids"]])
-        except (ValueError, KeyError, TypeError) as exc:
-            if number < len(lines):
-                raise RecordingError(f"{path}: line {number} is not a batch: {exc}") from exc
+            batches.append([str(uid) for uid in record["uids"]])
+        except (KeyError, TypeError) as exc:
+            raise RecordingError(f"{path}: line {number} is not a batch: {exc!r}") from exc
     return batches
 
 

@@ -114,3 +114,17 @@ def test_a_record_cut_short_is_read_up_to_its_last_whole_line(tmp_path: Path):
     with pytest.raises(RecordingError, match="line 2"):
         _recorded_batches(path)
     assert _recorded_batches(tmp_path / "absent.jsonl") == []
+
+
+async def test_a_critic_restarted_after_a_kill_mid_write_appends_whole_lines(tmp_path: Path):
+    """The critic before was killed while writing a batch line; the restarted one cuts that
+    half line before it appends, so the record stays readable for a replay."""
+    from services.critic import _recorded_batches
+
+    model = str(save_tiny_model(tmp_path / "model"))
+    config = _critic_config(model, **{"critic.annotate_max_groups": "3"})
+    path = tmp_path / "run/critic/batches.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"uids": ["earlier"]}\n{"uids": ["p')
+    await _serve(config, tmp_path / "run", hold_first_update=True)
+    assert _recorded_batches(path) == [["earlier"], ["p0"], ["p1"], ["p2", "p3"], ["p4"]]

@@ -10,11 +10,11 @@ from pipeline.errors import JournalError
 from pipeline.runtime.journal import (
     Journal,
     ReleasedPrompt,
-    complete_lines,
     load_state,
     release_record,
     step_key,
 )
+from pipeline.runtime.json_lines import complete_lines
 
 
 def prompt(i: int, version: int = 0) -> ReleasedPrompt:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import JournalError
+from pipeline.runtime.json_lines import DamagedLine, JsonLines, read_json_lines
 
 
 def prompt_uid(sample_uid: str) -> str:
@@ -131,63 +131,20 @@ def release_record(prompts: list[ReleasedPrompt]) -> dict[str, Any]:
     return {"kind": "release", "prompts": [asdict(p) for p in prompts]}
 
 
-class Journal:
+class Journal(JsonLines):
     """Append-only JSON lines, each fsynced before `append` returns."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        _drop_torn_tail(path)
-        self._file = open(path, "ab")  # noqa: SIM115 - lives as long as the controller
-        if new:  # the directory entry must survive too
-            fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def append(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def load_state(path: Path) -> RunState | None:
     """The state the journal at `path` describes; None when there is none (a new run)."""
-    if not path.exists():
-        return None
-    lines = path.read_bytes().split(b"\n")
-    complete = lines[:-1]  # a last line without a newline was cut by a kill mid-write
+    try:
+        records = read_json_lines(path)  # a last line cut by a kill mid-write left out
+    except DamagedLine as exc:
+        raise JournalError(
+            f"{path}:{exc.number} is not JSON ({exc.error}); the journal is damaged: move it "
+            "away to start the run over, or restore it"
+        ) from exc
     state = RunState()
-    for number, line in enumerate(complete, 1):
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise JournalError(
-                f"{path}:{number} is not JSON ({exc}); the journal is damaged: move it "
-                "away to start the run over, or restore it"
-            ) from exc
+    for record in records:
         state.apply(record)
     return state if state.incarnations else None
-
-
-def _drop_torn_tail(path: Path) -> None:
-    """Cut a half-written last line so the next record starts on a line of its own."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-def complete_lines(path: Path) -> int:
-    """Whole lines in a JSON-lines file, after cutting a half-written last one."""
-    if not path.exists():
-        return 0
-    _drop_torn_tail(path)
-    return path.read_bytes().count(b"\n")

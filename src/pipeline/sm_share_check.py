@@ -80,9 +80,8 @@ def check_sm_share(
         return
     from pipeline.trainer_setup import warm_up_batches
 
-    for part in parts:
-        seconds = check_products(role, share, product_shapes(part), part.info.device, _dtype(part))
-        log.info("sm_share_checked", share=share, what="matrix products", seconds=round(seconds, 2))
+    seconds = check_part_products(role, share, parts)
+    log.info("sm_share_checked", share=share, what="matrix products", seconds=round(seconds, 2))
     batch = warm_up_batches(config, parts[0].model.config.vocab_size)[0]
     for part in parts:
         what, forward = _forward(part)
@@ -158,9 +157,18 @@ def check_products(
     return time.perf_counter() - start
 
 
-def _dtype(part: Any) -> Any:
-    """The dtype a part's layers compute in."""
-    return part.config.compute_dtype(part.info.device)
+def check_part_products(role: str, share: int, parts: list[Any]) -> float:
+    """`check_products` of the parts' layers, each shape once on each device and dtype
+    (a critic and the reference it hosts have the same layers). Returns the seconds."""
+    shapes: dict[tuple[Any, Any], set[tuple[int, int, int]]] = {}
+    for part in parts:
+        device = part.info.device
+        key = (device, part.config.compute_dtype(device))
+        shapes.setdefault(key, set()).update(product_shapes(part))
+    return sum(
+        check_products(role, share, sorted(todo), device, dtype)
+        for (device, dtype), todo in shapes.items()
+    )
 
 
 def _forward(part: Any) -> tuple[str, Callable[[Any], Tensor]]:

@@ -69,12 +69,15 @@ def step_ends(
     return {step: e for step, e in ends.items() if len(e) == per_step}
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def end_spread(spans: list[dict[str, Any]], per_step: int, t0: float, t1: float) -> float:
     """The median, over the steps released inside [t0, t1], of the seconds between the first
     and the last of a step's rollout groups to finish: how far a step's prompts started
     apart in the engine."""
-    spreads = [max(e) - min(e) for e in step_ends(spans, per_step, t0, t1).values()]
-    return statistics.median(spreads) if spreads else float("nan")
+    return _median([max(e) - min(e) for e in step_ends(spans, per_step, t0, t1).values()])
 
 
 def critic_tail(
@@ -85,8 +88,9 @@ def critic_tail(
     has the whole step."""
     generated = step_ends(rollout, per_step, t0, t1)
     annotated = step_ends(critic, per_step, t0, t1)
-    tails = [max(annotated[k]) - max(generated[k]) for k in generated.keys() & annotated.keys()]
-    return statistics.median(tails) if tails else float("nan")
+    return _median(
+        [max(annotated[k]) - max(generated[k]) for k in generated.keys() & annotated.keys()]
+    )
 
 
 def device_idle(run_dir: Path, spans: dict[str, list[dict[str, Any]]], t0: float, t1: float):
@@ -169,8 +173,8 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
         # the policy's gradient norm, to set beside a baseline's: a run at an SM share
         # trained on norms 4000 times too large while its log-probs still matched
         "grad_norm_step0": float(steps[0].get("actor/grad_norm", float("nan"))),
-        "grad_norm_median": statistics.median(
-            [s.get("actor/grad_norm", float("nan")) for s in steps]
+        "grad_norm_median": _median(
+            [s["actor/grad_norm"] for s in steps if "actor/grad_norm" in s]
         ),
         # optimizer steps skipped for a non-finite loss or gradient: a run that skipped
         # them trained on nothing, and its speed measures nothing

@@ -93,17 +93,10 @@ def child(args: argparse.Namespace) -> None:
 def _products(trainer: Any) -> str:
     """The start-up check of the layers' matrix products at this process's share: "ok" or
     why a service would refuse it."""
-    from pipeline.sm_share_check import SmShareRefused, check_products, product_shapes, sm_share
+    from pipeline.sm_share_check import SmShareRefused, check_part_products, sm_share
 
-    share = sm_share() or 100
     try:
-        check_products(
-            "learner",
-            share,
-            product_shapes(trainer),
-            trainer.info.device,
-            trainer.config.compute_dtype(trainer.info.device),
-        )
+        check_part_products("learner", sm_share() or 100, [trainer])
     except SmShareRefused as refused:
         return str(refused)
     return "ok"

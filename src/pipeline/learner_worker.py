@@ -83,7 +83,8 @@ class LearnerWorker:
         elif op == RankOp.TRAIN:
             groups = decode_groups(command.groups)
             fresh = on_policy(groups, command.version)
-            self.trainer.submit_step(self.rank_batch(groups), on_policy=fresh).result()
+            batch = self.rank_batch(groups)
+            self.trainer.submit_step(batch, on_policy=fresh, version=command.version).result()
         elif op == RankOp.CHECKPOINT:
             self.save(json.loads(command.text))
         elif op == RankOp.PUBLISH:

@@ -276,7 +276,9 @@ class LearnerService(Service):
         )
         batch = self.worker.rank_batch(groups)
         fresh = on_policy(groups, version)
-        submit = functools.partial(self.worker.trainer.submit_step, on_policy=fresh)
+        submit = functools.partial(
+            self.worker.trainer.submit_step, on_policy=fresh, version=version
+        )
         return self.thread.run(submit, batch, command=command)
 
     async def _metrics(self, groups: list[GroupArrays], pending: Any) -> dict[str, float]:

@@ -49,6 +49,8 @@ def _inputs(m: int, r: int, seed: int) -> dict[str, torch.Tensor]:
         "adv": torch.randn(m, r, generator=g),
         "behaviour": behaviour,
         "ref": behaviour + 0.2 * torch.randn(m, r, generator=g),
+        # sampled by the learner's current weights: every other sample
+        "same": (torch.arange(m) % 2 == 0)[:, None].expand(m, r).clone(),
     }
 
 
@@ -73,6 +75,10 @@ def _expected(x: dict[str, torch.Tensor], alg: AlgorithmConfig) -> tuple[torch.T
         "mismatch/kl": mm.kl * tokens, "mismatch/mean_abs_diff": mm.mean_abs_diff * tokens,
         "mismatch/truncated_frac": mm.truncated_frac * tokens,
         "actor/is_weight_mean": masked_sum(is_w, mask),
+        "mismatch/same_version_kl": masked_sum(
+            kl_estimate(x["behaviour"], prox, "k3"), mask & x["same"]
+        ),
+        "mismatch/same_version_tokens": (mask & x["same"]).sum(),
         **{f"kl/{e}": masked_sum(kl_estimate(prox, ref, e), mask) for e in ("k1", "k2", "k3")},
         "max": mm.max_abs_diff,
     }  # fmt: skip
@@ -90,8 +96,9 @@ def _named(terms: tuple[torch.Tensor, ...], alg: AlgorithmConfig) -> dict[str, f
 def test_loss_terms_name_the_values_of_the_algorithms_functions() -> None:
     x = _inputs(6, 9, seed=0)
     terms = policy_loss_terms(
-        x["logp"], x["entropy"], x["mask"], x["adv"], x["behaviour"], None, x["ref"], alg=ALG
-    )
+        x["logp"], x["entropy"], x["mask"], x["adv"], x["behaviour"], None, x["ref"], x["same"],
+        alg=ALG,
+    )  # fmt: skip
     loss, expected = _expected(x, ALG)
     got = _named(terms, ALG)
     assert got.keys() == expected.keys()
@@ -132,7 +139,7 @@ def test_compiled_loss_terms_equal_eager_across_shapes() -> None:
         for fn in (eager, compiled):
             x = _inputs(m, r, seed)
             terms = fn(x["logp"], x["entropy"], x["mask"], x["adv"], x["behaviour"], None,
-                       x["ref"])  # fmt: skip
+                       x["ref"], x["same"])  # fmt: skip
             terms[0].backward()
             runs.append((_named(terms, ALG), x["logp"].grad, x["entropy"].grad))
         (a, ga, ea), (b, gb, eb) = runs

@@ -515,3 +515,69 @@ def test_adjacent_rows_refuses_tensors_that_are_not_adjacent():
     views = [leaves[:12].view(3, 4), leaves[12:20].view(2, 4), leaves[20:].view(1, 4)]
     adjacent_rows(views).mul(torch.arange(6.0)[:, None]).sum().backward()
     assert torch.equal(leaves.grad, torch.arange(6.0).repeat_interleave(4))
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2], ids=["fused-proximal", "separate-proximal"])
+def test_same_version_mismatch_counts_only_the_tokens_the_current_weights_sampled(
+    model_dir: Path, mini_batches: int
+):
+    """Half the samples come from the learner's current weights (version 3, the learner's
+    own log-probs as the sampler's), half from version 2 (other log-probs): the mismatch
+    over all tokens mixes in the older ones' drift, the same-version one is numerical."""
+    trainer = PolicyTrainer(model_dir, CONFIG.replace(mini_batches=mini_batches))
+    batch = make_batch(seed=4)
+    own = trainer.compute_logprobs(batch)
+    current = (torch.arange(batch.num_samples) % 2 == 0)[:, None]  # (n, 1)
+    mask = batch.response_mask
+    batch = batch.replace(
+        behaviour_logprobs=torch.where(current, own, batch.behaviour_logprobs),
+        token_versions=torch.where(current & mask, 3, 2),
+    )
+    metrics = trainer.submit_step(batch, version=3).result()
+    same = (current & mask).sum().item() / mask.sum().item()
+    assert metrics["mismatch/same_version_frac"] == pytest.approx(same)
+    assert metrics["mismatch/same_version_kl"] < 1e-9
+    assert metrics["mismatch/kl"] > 1e-2
+    # a version that sampled nothing in the batch: no same-version figure, a zero share
+    metrics = trainer.submit_step(batch, version=5).result()
+    assert "mismatch/same_version_kl" not in metrics
+    assert metrics["mismatch/same_version_frac"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mini_batches": 1},
+        {"mini_batches": 2},
+        {"mini_batches": 2, "fused_optimizer": True, "param_dtype": "bfloat16"},
+    ],
+    ids=["fused-proximal", "separate-proximal", "flat-bf16"],
+)
+def test_lagged_check_scores_the_previous_versions_tokens_with_its_weights(
+    model_dir: Path, options: dict
+):
+    """Staleness 1: the engine sampled with version 0's weights, the learner holds version
+    1's. Every step a check (mismatch_check_every 1): the weights of version 0 were kept,
+    so its tokens measure numerical mismatch only, while the mismatch against the current
+    weights shows the update's drift; the check leaves the update as it was."""
+    config = CONFIG.replace(lr=1e-2, **options)
+    checked = PolicyTrainer(model_dir, config.replace(mismatch_check_every=1))
+    plain = PolicyTrainer(model_dir, config.replace(mismatch_check_every=0))
+    first = make_batch(seed=5)
+    second = make_batch(seed=6)
+    for trainer in (checked, plain):
+        trainer.submit_step(first, version=0).result()
+    # version 0's log-probs of the second batch, as the engine would have them
+    fresh = PolicyTrainer(model_dir, config)
+    engine = fresh.compute_logprobs(second)
+    second = second.replace(behaviour_logprobs=engine)
+    got = checked.submit_step(second, version=1).result()
+    assert got["mismatch/same_version_frac"] == pytest.approx(1.0)
+    assert got["mismatch/same_version_kl"] < 1e-9
+    assert got["mismatch/kl"] > 1e-4
+    assert got["perf/lagged_check_s"] > 0
+    base = plain.submit_step(second, version=1).result()
+    assert "mismatch/same_version_kl" not in base
+    assert base["mismatch/kl"] == pytest.approx(got["mismatch/kl"], rel=1e-6)
+    a, b = state_of(checked.model), state_of(plain.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the weights came back bit for bit

@@ -32,6 +32,7 @@ POLICY_ONLY = (
     "reuse_behaviour_logprobs",
     "reuse_check_every",
     "reuse_max_mismatch_kl",
+    "mismatch_check_every",
     "logprob_chunk_tokens",
     "logprob_keep_logits",
     "temperature",
@@ -88,6 +89,10 @@ class TrainerConfig:
     reuse_check_every: int = 10
     # with reuse: a measured mismatch KL above this stops the reuse for the run (logged)
     reuse_max_mismatch_kl: float = 1e-3
+    # every this many steps keep the weights for one step and score the tokens they sampled
+    # at the next (one more forward, one copy of the weights): the same-version mismatch
+    # when staleness >= 1 leaves few tokens of the current version; 0: off
+    mismatch_check_every: int = 10
     # tokens of one forward/backward (gradients accumulate over micro-batches)
     max_tokens_per_micro_batch: int = 4096
     infer_max_tokens_per_micro_batch: int = 0  # no-grad forwards; 0: same as training
@@ -222,6 +227,8 @@ class TrainerConfig:
                 raise ConfigError(f"set {_SECTION}.{key} to an integer >= 1 (got {value!r})")
         if isinstance(self.reuse_check_every, bool) or self.reuse_check_every < 1:
             raise ConfigError(f"set {_SECTION}.reuse_check_every to an integer >= 1")
+        if isinstance(self.mismatch_check_every, bool) or self.mismatch_check_every < 0:
+            raise ConfigError(f"set {_SECTION}.mismatch_check_every to an integer >= 0")
         if not self.reuse_max_mismatch_kl > 0:
             raise ConfigError(f"set {_SECTION}.reuse_max_mismatch_kl > 0")
         if self.pack_bucket_tokens < 0:

@@ -219,6 +219,11 @@ class TrainEngine:
         if self.config.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
+    def weights_replaced(self) -> None:
+        """The caller wrote the parameters in place (`LaggedCheck`): the low-precision
+        copies are refreshed before the next forward."""
+        self._masters_changed()
+
     def _masters_changed(self) -> None:
         """The float32 masters change without their compute copies (torch's optimizer, a
         load): the next entry refreshes the copies (the flat optimizer writes both)."""

@@ -43,6 +43,9 @@ TOKEN_KEYS = (
     "mismatch/mean_abs_diff",
     "mismatch/truncated_frac",
     "actor/is_weight_mean",
+    # over the tokens that the learner's current weights sampled: numerical mismatch alone
+    "mismatch/same_version_kl",
+    "mismatch/same_version_tokens",
 )
 KL_ESTIMATORS: tuple[KLEstimator, ...] = ("k1", "k2", "k3")
 KL_KEYS = tuple(f"kl/{est}" for est in KL_ESTIMATORS)
@@ -71,16 +74,27 @@ def token_sums(
     ref: Tensor | None,
     is_w: Tensor,
     alg: AlgorithmConfig,
+    same_version: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(token sums of the sampler/learner mismatch and of the KL to the reference, float64
-    in `token_keys` order; max |log pi - log mu|) over the valid tokens."""
+    in `token_keys` order; max |log pi - log mu|) over the valid tokens. `same_version`:
+    the valid tokens that the learner's current weights sampled (None: none known)."""
     tokens = mask.sum().double()
     mm = mismatch_metrics(prox, behaviour, mask, cap=alg.is_cap, level=alg.is_level)
+    same = mask.bool() & same_version.bool() if same_version is not None else None
     values = {
         "mismatch/kl": mm.kl * tokens,
         "mismatch/mean_abs_diff": mm.mean_abs_diff * tokens,
         "mismatch/truncated_frac": mm.truncated_frac * tokens,
         "actor/is_weight_mean": masked_sum(is_w, mask),
+        "mismatch/same_version_kl": (
+            masked_sum(kl_estimate(behaviour, prox, "k3"), same)
+            if same is not None
+            else tokens.new_zeros(())
+        ),
+        "mismatch/same_version_tokens": (
+            same.sum().double() if same is not None else tokens.new_zeros(())
+        ),
     }
     if ref is not None:
         for est, key in zip(KL_ESTIMATORS, KL_KEYS, strict=True):
@@ -101,6 +115,7 @@ def policy_loss_terms(
     old: Tensor,
     is_w: Tensor | None,
     ref: Tensor | None,
+    same_version: Tensor | None = None,
     *,
     alg: AlgorithmConfig,
 ) -> Terms:
@@ -113,7 +128,7 @@ def policy_loss_terms(
     if is_w is None:
         behaviour, old = old, logp.detach().float()  # the ratio is 1, its gradient is not
         is_w = truncated_is_weights(old, behaviour, mask, cap=alg.is_cap, level=alg.is_level)
-        token, top = token_sums(mask, behaviour, old, ref, is_w, alg)
+        token, top = token_sums(mask, behaviour, old, ref, is_w, alg, same_version)
     pg_loss, pg = ppo_policy_loss(
         logp,
         old,

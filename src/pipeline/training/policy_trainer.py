@@ -42,6 +42,7 @@ from pipeline.training.distributed import DistInfo, current_dist_info
 from pipeline.training.engine import StagedStep, TrainEngine, perf_metrics
 from pipeline.training.errors import BatchError
 from pipeline.training.forward import micro_logprobs, response_logprobs
+from pipeline.training.lagged_check import LaggedCheck
 from pipeline.training.loss_terms import (
     KL_KEYS,
     loss_function,
@@ -122,6 +123,7 @@ class PolicyTrainer:
         self.engine = TrainEngine(policy, self.config, self.info, name="policy")
         self._last_done = 0.0  # perf_counter when the last step's metrics were read
         self._reuse = ReuseCheck(self.config)
+        self._lagged = LaggedCheck(self.config.mismatch_check_every)
         self._loss_terms = loss_function(self.algorithm, self.config.compile_loss)
         self.reference = (
             ReferencePolicy(reference, self.config, dist=self.info)
@@ -185,7 +187,9 @@ class PolicyTrainer:
         """One PPO update on this rank's share of the batch; returns global metrics."""
         return self.submit_step(batch).result()
 
-    def submit_step(self, batch: ExperienceBatch, *, on_policy: bool = False) -> PendingStep:
+    def submit_step(
+        self, batch: ExperienceBatch, *, on_policy: bool = False, version: int | None = None
+    ) -> PendingStep:
         """`train_step` without waiting for the device at its end: the update is queued and
         its metrics come from `result()`. Submitting the next step first lets the host plan
         and queue it while the device finishes this one (the step's host prologue, ~3 ms of
@@ -193,7 +197,9 @@ class PolicyTrainer:
         are read in stream order: a forward, a checkpoint or an export after a submit sees
         the update; whatever reads the schedule or the counters settles the step first.
         `on_policy`: the current weights sampled every token of the batch (staleness 0),
-        whose behaviour log-probs may then serve as the proximal ones (ReuseCheck)."""
+        whose behaviour log-probs may then serve as the proximal ones (ReuseCheck).
+        `version`: the current weights' policy version; the tokens it sampled give the
+        same-version mismatch (`mismatch/same_version_kl`)."""
         start = time.perf_counter()
         alg = self.algorithm
         vtrace = alg.advantage_estimator == "vtrace"
@@ -241,13 +247,36 @@ class PolicyTrainer:
         if alg.advantage_estimator in ("gae", "vtrace") and alg.whiten_advantages:
             assert batch.advantages is not None
             batch = batch.replace(advantages=global_whiten(batch.advantages, mask))
+        same = None
+        if version is not None:
+            same = mask & (batch.token_versions == version)
+            lagged = self._lagged.sums(
+                self.model,
+                version,
+                batch.token_versions,
+                mask,
+                batch.behaviour_logprobs,
+                functools.partial(self.compute_logprobs, batch),
+                self.engine.weights_replaced,
+            )
+            if lagged is not None:
+                sums.add("mismatch/same_version_kl", lagged[0])
+                sums.add("mismatch/same_version_tokens", lagged[1])
+                clock.mark("lagged_check")
+            self._lagged.keep(self.model, version)
         if not fused:
             is_w = truncated_is_weights(
                 prox, batch.behaviour_logprobs, mask, cap=alg.is_cap, level=alg.is_level
             )  # (n, R)
-            token, top = token_sums(mask, batch.behaviour_logprobs, prox, ref, is_w, alg)
+            token, top = token_sums(mask, batch.behaviour_logprobs, prox, ref, is_w, alg, same)
             _add_token_sums(sums, token, top, ref is not None)  # over the whole batch
-        inputs = {"prox": prox, "is_w": is_w, "ref": ref, "adv": batch.advantages}
+        inputs = {
+            "prox": prox,
+            "is_w": is_w,
+            "ref": ref,
+            "adv": batch.advantages,
+            "same": same,
+        }
         micro_loss = functools.partial(self._micro_loss, batch=batch, inputs=inputs, sums=sums)
         stats = self.engine.run_epochs(batch, alg.loss_agg_mode, micro_loss, sums)
         self._batch_counts(sums, batch)  # host sums: after the device has its work
@@ -282,6 +311,7 @@ class PolicyTrainer:
         named = {"mask": batch.response_mask, "adv": inputs["adv"], "ref": inputs["ref"]}
         if fused:
             named["behaviour"] = batch.behaviour_logprobs
+            named["same"] = inputs["same"]
         else:
             named["prox"], named["is_w"] = inputs["prox"], inputs["is_w"]
         logp, entropy, anchor = micro_logprobs(
@@ -301,7 +331,14 @@ class PolicyTrainer:
         ref = f.get("ref")
         old = f["behaviour"] if fused else f["prox"]
         loss, micro, token, top = self._loss_terms(
-            logp, entropy, f["mask"], f["adv"], old, None if fused else f["is_w"], ref
+            logp,
+            entropy,
+            f["mask"],
+            f["adv"],
+            old,
+            None if fused else f["is_w"],
+            ref,
+            f.get("same"),
         )
         if fused:  # the mismatch and KL sums of this micro-batch's own proximal log-probs
             _add_token_sums(sums, token, top, ref is not None)
@@ -351,6 +388,11 @@ class PolicyTrainer:
         for key in ("mismatch/kl", "mismatch/mean_abs_diff", "mismatch/truncated_frac"):
             out[key] = raw.pop(key) / tokens
         out["mismatch/max_abs_diff"] = raw.pop("mismatch/max_abs_diff")
+        same_tokens = raw.pop("mismatch/same_version_tokens")
+        same_kl = raw.pop("mismatch/same_version_kl")
+        if same_tokens > 0:
+            out["mismatch/same_version_kl"] = same_kl / same_tokens
+        out["mismatch/same_version_frac"] = same_tokens / tokens
         out["actor/is_weight_mean"] = raw.pop("actor/is_weight_mean") / tokens
         for key in kl_keys:
             out[key] = raw.pop(key) / tokens

@@ -31,7 +31,13 @@ class ReuseCheck:
         a check's mismatch against the bound."""
         metrics["actor/proximal_reused"] = float(reused)
         if reused:
-            for key in ("mismatch/kl", "mismatch/mean_abs_diff", "mismatch/truncated_frac"):
+            for key in (
+                "mismatch/kl",
+                "mismatch/mean_abs_diff",
+                "mismatch/truncated_frac",
+                "mismatch/same_version_kl",
+                "mismatch/same_version_frac",
+            ):
                 metrics.pop(key, None)
             metrics.pop("mismatch/max_abs_diff", None)
         elif checked and self.allowed:

@@ -1,0 +1,87 @@
+"""The same-version mismatch at staleness >= 1: the engine's log-probs against the learner's
+under the weights that sampled the tokens.
+
+At staleness 0 the learner's current weights sampled the batch, so its proximal forward
+measures engine against learner directly. Beyond that most tokens come from the previous
+version, and the mismatch against the current weights mixes numerical differences with one
+update of drift. Every `trainer.mismatch_check_every` steps the learner therefore keeps a
+copy of its weights for one step and, at the next, scores the batch with them: the tokens
+that version sampled give the numerical mismatch alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.algorithms import kl_k3, masked_sum
+
+
+class LaggedCheck:
+    """Keeps the weights of version v (one copy of the parameters) when v + 1 is a check
+    step, and scores version v's tokens with them at step v + 1."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._kept: list[Tensor] | None = None
+        self._kept_version = -1
+
+    def due(self, version: int) -> bool:
+        return self.every > 0 and version % self.every == 0
+
+    def keep(self, model: nn.Module, version: int) -> None:
+        """Before version `version`'s update: copy its weights if the next step checks."""
+        if self.due(version + 1):
+            with torch.no_grad():
+                self._kept = [p.detach().clone() for p in model.parameters()]
+            self._kept_version = version
+
+    def sums(
+        self,
+        model: nn.Module,
+        version: int,
+        token_versions: Tensor,
+        mask: Tensor,
+        behaviour: Tensor,
+        logprobs: Callable[[], Tensor],
+        changed: Callable[[], None],
+    ) -> tuple[Tensor, Tensor] | None:
+        """(k3 sum, token count) over the tokens that the kept weights' version sampled,
+        or None when this step has no kept weights. `logprobs` runs the learner's forward
+        over the batch (every rank calls it: it may be collective); `changed` tells the
+        trainer that its weights were swapped (its low-precision copies go stale)."""
+        kept, kept_version = self._kept, self._kept_version
+        self._kept = None
+        if kept is None or kept_version != version - 1:
+            return None
+        tokens = mask.bool() & (token_versions == kept_version)
+        with _swapped(model, kept, changed):
+            lagged = logprobs()
+        return masked_sum(kl_k3(behaviour, lagged), tokens), tokens.sum().double()
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, kept: list[Tensor], changed: Callable[[], None]) -> Iterator[None]:
+    """The model's parameters hold `kept` inside the block (in place: views, captured graphs
+    and optimizer state keep their storage), their own values again after it."""
+    params = list(model.parameters())
+    with torch.no_grad():
+        for p, k in zip(params, kept, strict=True):
+            _exchange(p.data, k)
+        changed()
+        try:
+            yield
+        finally:
+            for p, k in zip(params, kept, strict=True):
+                _exchange(p.data, k)
+            changed()
+
+
+def _exchange(a: Tensor, b: Tensor) -> None:
+    """Swap the contents of two tensors of one shape and dtype, in place."""
+    tmp = a.clone()
+    a.copy_(b)
+    b.copy_(tmp)

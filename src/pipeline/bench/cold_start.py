@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[tuple[str, str], dict[str, float]] = {}
     figs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cold-start-") as tmp:
-        base = [*extra, "--controller.steps", str(args.steps)]
+        # the e2e workload's response limit: the profile keeps its task's
+        base = [*extra, "--controller.steps", str(args.steps), "--rollout.max_new_tokens", "256"]
         if args.shape:
             base += shape_model(args.shape, Path(tmp) / "model", args.device)
         runs = args.runs_dir or Path(tmp) / "runs"

@@ -46,9 +46,20 @@ CONFIG = TrainerConfig(
     max_tokens_per_micro_batch=12,
     infer_max_tokens_per_micro_batch=40,
     grad_clip=1.0,
+    # every step scores the previous version's tokens with its kept weights (swapped into
+    # the sharded parameters in place): the lagged check's figure must match too
+    mismatch_check_every=1,
 )
 ALGORITHM = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01)
-COMPARED = ("actor/pg_loss", "actor/loss", "actor/kl_loss", "actor/entropy", "kl/k3", "mismatch/kl")
+COMPARED = (
+    "actor/pg_loss",
+    "actor/loss",
+    "actor/kl_loss",
+    "actor/entropy",
+    "kl/k3",
+    "mismatch/kl",
+    "mismatch/same_version_kl",
+)
 
 
 def _worker(rank: int, port: int, model_dir: str, out_dir: str, fused_norm: bool) -> None:
@@ -69,7 +80,9 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, fused_norm: bool
         trainer = PolicyTrainer(model_dir, CONFIG.replace(fused_norm=fused_norm), ALGORITHM)
         history = []
         for step in range(STEPS):
-            history.append(trainer.train_step(make_batch(seed=step, n=SAMPLES).shard(rank, WORLD)))
+            shard = make_batch(seed=step, n=SAMPLES).shard(rank, WORLD)
+            # the batch's tokens are of version 0: step 1 measures them by the lagged check
+            history.append(trainer.submit_step(shard, version=step).result())
         # critic-free advantages: groups split across ranks get whole-batch baselines
         for estimator in ("grpo", "rloo"):
             algorithm = AlgorithmConfig(advantage_estimator=estimator)
@@ -110,7 +123,10 @@ def test_two_rank_fsdp_steps_equal_single_process_steps_weights_and_losses(
     assert _micro_counts(0, 0) != _micro_counts(1, 0)
     model_dir = save_tiny_model(tmp_path / "model")
     single = PolicyTrainer(model_dir, CONFIG.replace(fused_norm=fused_norm), ALGORITHM)
-    expected = [single.train_step(make_batch(seed=step, n=SAMPLES)) for step in range(STEPS)]
+    expected = [
+        single.submit_step(make_batch(seed=step, n=SAMPLES), version=step).result()
+        for step in range(STEPS)
+    ]
     expected_state = state_of(single.model)
 
     args = (free_port(), str(model_dir), str(tmp_path), fused_norm)

@@ -223,6 +223,8 @@ class SampleGroup(_Wire):
     ground_truth: str = ""
     released_version: int = 0
     reward_errors: int = 0
+    # the response budget the engine was given for this prompt (tokens)
+    max_new_tokens: int = 0
     # what a stage measured on this group (e.g. the critic's kl/coef): the learner averages
     # each over its step's groups into the step's metrics
     stats: dict[str, float] = {}

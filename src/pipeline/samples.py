@@ -47,6 +47,7 @@ class GroupArrays:
     released_version: int = 0
     reward_errors: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+    max_new_tokens: int = 0
 
 
 def staleness(group: GroupArrays, version: int) -> int:
@@ -94,6 +95,7 @@ def read_group(message: codec.Message) -> GroupArrays:
         released_version=body.released_version,
         reward_errors=body.reward_errors,
         stats=dict(body.stats),
+        max_new_tokens=body.max_new_tokens,
     )
 
 
@@ -129,5 +131,6 @@ def write_group(group: GroupArrays, cls: type[SampleGroup]) -> tuple[SampleGroup
         released_version=group.released_version,
         reward_errors=group.reward_errors,
         stats=dict(group.stats),
+        max_new_tokens=group.max_new_tokens,
     )
     return body, pack

@@ -63,4 +63,12 @@ def prepare_task(config: PipelineConfig, run_dir: Path) -> Task:
                 ".parquet/.jsonl file"
             )
         records = load_prompts(dataset, tokenizer=tokenizer)
+        limit = config.rollout.max_new_tokens
+        for record in records:
+            if record.max_new_tokens > limit:
+                raise ConfigError(
+                    f"prompt {record.uid!r} of {dataset} asks for max_new_tokens "
+                    f"{record.max_new_tokens}, more than rollout.max_new_tokens {limit}: "
+                    "lower the row's budget or raise the run's limit"
+                )
     return Task(records=records, tokenizer=tokenizer, model_dir=directory)

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import time
 import uuid
 from pathlib import Path
@@ -240,16 +239,8 @@ class Controller:
             data_source=record.data_source,
             ground_truth=record.ground_truth,
             released_version=self.learner_version,
+            max_new_tokens=record.max_new_tokens,
         )
-
-    def _response_limit(self, uid: str) -> int:
-        """The prompt's max_new_tokens: the configured one, or drawn below it by
-        `rollout.max_new_tokens_jitter` (the same for a uid in every incarnation)."""
-        r = self.config.rollout
-        if r.max_new_tokens_jitter <= 0:
-            return r.max_new_tokens
-        low = max(1, round(r.max_new_tokens * (1 - r.max_new_tokens_jitter)))
-        return random.Random(f"{self.config.run.seed}:{uid}").randint(low, r.max_new_tokens)
 
     def encode(self, released: ReleasedPrompt) -> tuple[Prompt, Any]:
         import numpy as np
@@ -268,7 +259,8 @@ class Controller:
             ground_truth=released.ground_truth,
             prompt_text=released.prompt_text,
             released_version=released.released_version,
-            max_new_tokens=self._response_limit(released.uid),
+            # the row's own budget (checked against the run's limit at load), else the run's
+            max_new_tokens=released.max_new_tokens or r.max_new_tokens,
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,

@@ -86,6 +86,7 @@ class RolloutService(Service):
             ground_truth=prompt.ground_truth,
             released_version=prompt.released_version,
             stats=stats,
+            max_new_tokens=prompt.max_new_tokens,
         )
         return [write_group(group, Rollout)]
 

@@ -1,49 +1,114 @@
-"""rollout.max_new_tokens_jitter: each prompt's response limit, drawn below max_new_tokens."""
+"""Per-prompt response budgets: a dataset row's `max_new_tokens`, at most the run's
+`rollout.max_new_tokens`, is what the engine is given for that prompt, and is recorded."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from pipeline.config import PipelineConfig
+from pipeline.data.loader import load_prompts
+from pipeline.data.records import BadRowError
 from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
 from pipeline.errors import ConfigError
-from pipeline.runtime.journal import ReleasedPrompt
+from pipeline.runtime.journal import ReleasedPrompt, RunState
 from services.controller import Controller
 
+REPO = Path(__file__).resolve().parents[2]
 
-def limits(tmp_path, jitter: float, seed: int = 0) -> list[int]:
+
+def _rows(path: Path, budgets: list[object]) -> Path:
+    with path.open("w") as out:
+        for i, budget in enumerate(budgets):
+            digits = f"{100 + i}"
+            row = {
+                "uid": f"r{i}",
+                "prompt": f"reverse {digits} =",
+                "data_source": "toy_reverse",
+                "reward_model": {"ground_truth": digits[::-1]},
+            }
+            if budget is not None:
+                row["max_new_tokens"] = budget
+            out.write(json.dumps(row) + "\n")
+    return path
+
+
+def test_a_row_may_carry_its_budget_and_a_bad_one_names_the_row(tmp_path):
+    records = load_prompts(_rows(tmp_path / "ok.jsonl", [5, None, 12]))
+    assert [r.max_new_tokens for r in records] == [5, 0, 12]
+    for bad in (0, -3, "7", 2.5, True):
+        path = _rows(tmp_path / "bad.jsonl", [4, bad])
+        with pytest.raises(BadRowError, match=r"row 1.*max_new_tokens"):
+            load_prompts(path)
+
+
+def test_a_budget_above_the_runs_limit_is_refused_at_load(tmp_path):
+    from pipeline.tasks import prepare_task
+
+    path = _rows(tmp_path / "data.jsonl", [4, 40])
     base = PipelineConfig()
     config = dataclasses.replace(
         base,
-        run=dataclasses.replace(base.run, seed=seed),
-        rollout=dataclasses.replace(base.rollout, max_new_tokens=200, max_new_tokens_jitter=jitter),
+        task=dataclasses.replace(base.task, dataset=str(path), warm_start_steps=0),
+        rollout=dataclasses.replace(base.rollout, max_new_tokens=16),
     )
-    controller = Controller(config, tmp_path / f"run-{jitter}-{seed}")
+    with pytest.raises(ConfigError, match=r"'r1'.*max_new_tokens 40.*rollout.max_new_tokens 16"):
+        prepare_task(config, tmp_path / "run")
+
+
+def test_the_prompt_sent_carries_the_rows_budget_or_the_runs_limit(tmp_path):
+    base = PipelineConfig()
+    config = dataclasses.replace(
+        base, rollout=dataclasses.replace(base.rollout, max_new_tokens=200)
+    )
+    controller = Controller(config, tmp_path / "run")
     save_char_tokenizer(tmp_path / "tok")
     controller._tokenizer = load_tokenizer(tmp_path / "tok")
-    out = []
-    for i in range(40):
-        released = ReleasedPrompt(f"{i:06d}:p{i}", "1+1=", "toy", "2", 0)
-        prompt, _ = controller.encode(released)
-        out.append(prompt.max_new_tokens)
-    return out
+    own = ReleasedPrompt("000001:a", "1+1=", "toy", "2", 0, max_new_tokens=37)
+    plain = ReleasedPrompt("000002:b", "1+1=", "toy", "2", 0)
+    assert controller.encode(own)[0].max_new_tokens == 37
+    assert controller.encode(plain)[0].max_new_tokens == 200
+    # a restarted controller reads the budget back from its journal: the same prompt again
+    state = RunState()
+    state.apply(json.loads(json.dumps({"kind": "release", "prompts": [dataclasses.asdict(own)]})))
+    assert state.released == [own]
 
 
-def test_jitter_draws_each_prompt_a_limit_in_range_the_same_every_time(tmp_path):
-    drawn = limits(tmp_path, 0.5)
-    assert all(100 <= n <= 200 for n in drawn)
-    assert len(set(drawn)) > 10  # they vary
-    assert drawn == limits(tmp_path, 0.5)  # a restarted controller sends the same prompt
-    assert drawn != limits(tmp_path, 0.5, seed=1)
+def test_a_run_gives_each_prompt_its_budget_and_records_it(tmp_path):
+    """Responses that never stop (EOS ignored) end exactly at their row's budget."""
+    budgets = [3, 9, None, 5] * 4
+    data = _rows(tmp_path / "data.jsonl", budgets)
+    runs = tmp_path / "runs"
+    cmd = [
+        sys.executable, "-m", "pipeline.cli", "run", "--no-progress",
+        "--profile", str(REPO / "profiles/local-cpu.toml"),
+        "--name", "budgets", "--run.runs_dir", str(runs),
+        "--task.dataset", str(data), "--task.warm_start_steps", "0",
+        "--rollout.max_new_tokens", "7", "--rollout.ignore_eos", "true",
+        "--rollout.n_samples", "2", "--controller.prompts_per_step", "8",
+        "--controller.steps", "2", "--services.reward.replicas", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    # a budget above the run's limit: refused before any service starts
+    assert proc.returncode != 0 and "max_new_tokens 9" in proc.stdout + proc.stderr
+    data = _rows(tmp_path / "data.jsonl", [3, 6, None, 5] * 4)
+    cmd[cmd.index("budgets")] = "budgets-ok"
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    from pipeline.recording import QueueReader
 
-
-def test_no_jitter_gives_every_prompt_max_new_tokens(tmp_path):
-    assert set(limits(tmp_path, 0.0)) == {200}
-
-
-def test_jitter_out_of_range_is_refused():
-    rollout = PipelineConfig().rollout
-    with pytest.raises(ConfigError, match="max_new_tokens_jitter"):
-        dataclasses.replace(rollout, max_new_tokens_jitter=1.0).validate()
+    want = {f"r{i}": b or 7 for i, b in enumerate([3, 6, None, 5] * 4)}
+    seen = 0
+    for record in QueueReader(runs / "budgets-ok/queues/scored.log"):
+        body = record.decode().body
+        budget = want[body.uid.split(":", 1)[1]]
+        assert body.max_new_tokens == budget
+        lengths = {len(record.decode().tensor(s.response_ids)) for s in body.samples}
+        assert lengths == {budget}, (body.uid, lengths)
+        seen += 1
+    assert seen >= 16

@@ -238,12 +238,8 @@ class RolloutConfig:
     engine: Literal["torch", "hf", "vllm"] = "torch"
     # responses per prompt (a group)
     n_samples: int = 4
-    # the longest response in tokens
+    # the longest response in tokens; a dataset row's `max_new_tokens` may ask for fewer
     max_new_tokens: int = 16
-    # benchmarks: each prompt's response limit drawn (seeded by its uid) from
-    # [(1 - jitter) * max_new_tokens, max_new_tokens], so that a model that never stops
-    # (a random one) still produces lengths that vary; 0: every prompt gets max_new_tokens
-    max_new_tokens_jitter: float = 0.0
     # benchmarks: the tokenizer's end-of-sequence token does not end a sample, only the
     # response limit does (every sample the same length; vLLM's ignore_eos)
     ignore_eos: bool = False
@@ -284,8 +280,6 @@ class RolloutConfig:
             raise ConfigError("rollout.n_samples must be >= 1")
         if not 0 < self.top_p <= 1:
             raise ConfigError("rollout.top_p must be in (0, 1]")
-        if not 0 <= self.max_new_tokens_jitter < 1:
-            raise ConfigError("rollout.max_new_tokens_jitter must be in [0, 1)")
         _require("rollout.max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, ">= 1")
         ok = math.isfinite(self.temperature) and self.temperature >= 0
         _require("rollout.temperature", self.temperature, ok, ">= 0 (0: greedy)")

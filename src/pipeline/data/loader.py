@@ -95,6 +95,11 @@ def parse_row(row: Any, *, path: str, index: int, dataset_name: str) -> PromptRe
     extra = row.get("extra_info") or {}
     if not isinstance(extra, Mapping):
         fail(f"'extra_info' must be an object, got {type(extra).__name__}")
+    budget = row.get("max_new_tokens")
+    if budget is None:
+        budget = 0
+    elif isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        fail(f"'max_new_tokens' must be a whole number of tokens >= 1, got {budget!r}")
     return PromptRecord(
         uid=_uid(row, extra, dataset_name, index),
         prompt_text=text,
@@ -102,6 +107,7 @@ def parse_row(row: Any, *, path: str, index: int, dataset_name: str) -> PromptRe
         data_source=data_source,
         ground_truth=_ground_truth(row, fail),
         extra_info=dict(extra),
+        max_new_tokens=budget,
     )
 
 
@@ -134,6 +140,7 @@ def apply_chat_template(
         data_source=record.data_source,
         ground_truth=record.ground_truth,
         extra_info=record.extra_info,
+        max_new_tokens=record.max_new_tokens,
     )
 
 

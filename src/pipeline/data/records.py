@@ -36,3 +36,5 @@ class PromptRecord(msgspec.Struct, frozen=True):
     data_source: str = ""
     ground_truth: str = ""
     extra_info: dict[str, Any] = msgspec.field(default_factory=dict)
+    # this prompt's response budget in tokens; 0: the run's rollout.max_new_tokens
+    max_new_tokens: int = 0

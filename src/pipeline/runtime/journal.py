@@ -35,6 +35,8 @@ class ReleasedPrompt:
     data_source: str
     ground_truth: str
     released_version: int
+    # the prompt's own response budget (0: the run's rollout.max_new_tokens)
+    max_new_tokens: int = 0
 
 
 class Accounting:

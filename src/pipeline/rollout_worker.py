@@ -64,12 +64,16 @@ class EngineRunner:
     def version(self) -> int:
         return int(self.engine.version)
 
-    def prefill_share(self) -> dict[str, float]:
+    def engine_stats(self) -> dict[str, float]:
         """Prompt rows prefilled per sample so far (built-in engine): 1 / n_samples with
-        shared prefill, 1 without."""
+        shared prefill, 1 without; and the mean rows of a decode step so far."""
         engine = getattr(self.engine, "engine", self.engine)  # a TP rank's TorchEngine
-        samples = getattr(engine, "prefill_samples", 0)
-        return {"rollout/prefill_rows_per_sample": engine.prefill_rows / samples} if samples else {}
+        out = {}
+        if samples := getattr(engine, "prefill_samples", 0):
+            out["rollout/prefill_rows_per_sample"] = engine.prefill_rows / samples
+        if steps := getattr(engine, "decode_steps", 0):
+            out["rollout/decode_batch_mean"] = engine.decode_rows / steps
+        return out
 
     def stop_ids(self) -> tuple[int, ...]:
         eos = self.tokenizer.eos_token_id

@@ -77,7 +77,7 @@ class RolloutService(Service):
         else:
             samples = await self.generate(prompt, prompt_ids)
         if self.engine is not None:  # None: a stand-in without an engine (tests)
-            stats.update(self.engine.prefill_share())
+            stats.update(self.engine.engine_stats())
         group = GroupArrays(
             uid=prompt.uid,
             prompt_ids=prompt_ids,

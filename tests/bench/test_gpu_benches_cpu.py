@@ -379,3 +379,39 @@ def test_a_variant_may_set_an_inline_table() -> None:
     assert parse_variant("sizes=[1, 2],x=true") == {"sizes": [1, 2], "x": True}
     with pytest.raises(SystemExit, match="key=value"):
         parse_variant("trunk_graphs")
+
+
+def test_e2e_long_tail_preset_cpu(tmp_path: Path) -> None:
+    """The long-tail workload at a tiny size: every prompt's samples run to its own budget
+    (a capped lognormal), and each run reports its generated tokens/s, the decode batch,
+    the dropped share of generated tokens and the older-version share of trained ones."""
+    from pipeline.bench.e2e_workload import long_tail_budgets
+    from pipeline.recording import QueueReader
+
+    budgets = long_tail_budgets(4096, 40)
+    assert min(budgets) >= 1 and max(budgets) == 40
+    assert 8 <= sorted(budgets)[len(budgets) // 2] <= 12  # median cap / 4
+    assert 0.02 < sum(b == 40 for b in budgets) / len(budgets) < 0.07  # the capped tail
+    out_file = tmp_path / "e2e.json"
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "pipeline.bench.e2e", "--preset", "one-gpu-long-tail"]
+    cmd += ["--device", "cpu", "--shape", "tiny", "--profile", "profiles/local-cpu.toml"]
+    cmd += ["--cap", "40", "--prompt-tokens", "16", "--steps", "5", "--skip", "1"]
+    cmd += ["--json", str(out_file), "--runs-dir", str(runs)]
+    cmd += ["--controller.prompts_per_step", "4", "--learner.trainer.mini_batches", "2"]
+    sync, asynchronous = _bench_figures(cmd, out_file)
+    assert sync["config"]["workload"] == "long-tail (cap 40)"
+    for fig in (sync, asynchronous):
+        config = fig["config"]
+        assert config["generated_tokens_per_s"] > 0 and config["decode_batch_mean"] > 0
+        assert 0 < config["decode_batch_occupancy"] <= 1
+        assert 0 <= config["dropped_token_share"] < 1
+        assert config["skipped_updates"] == 0 and config["grad_norm_median"] > 0
+    assert sync["config"]["older_version_token_share"] == 0  # synchronous: all current
+    assert asynchronous["config"]["older_version_token_share"] > 0
+    want = dict(enumerate(budgets))
+    for record in QueueReader(runs / "e2e-local-cpu-s1/queues/rollouts.log"):
+        message = record.decode()
+        budget = want[int(message.body.uid.rsplit("-", 1)[1])]
+        lengths = {len(message.tensor(s.response_ids)) for s in message.body.samples}
+        assert message.body.max_new_tokens == budget and lengths == {budget}

@@ -112,6 +112,43 @@ def device_idle(run_dir: Path, spans: dict[str, list[dict[str, Any]]], t0: float
     return {key: 1 - _busy(found, t0, t1) / (t1 - t0) for key, found in sorted(on.items())}
 
 
+def token_shares(run_dir: Path, t0: float, t1: float) -> dict[str, float]:
+    """From the recorded rollouts and the controller's schedule: the tokens generated a
+    second between t0 and t1, and over the whole run the share of generated tokens in
+    samples never trained (dropped) and the share of trained tokens that a policy version
+    older than the step's sampled."""
+    from pipeline.recording import QueueReader
+
+    log = run_dir / "queues" / "rollouts.log"
+    if not log.exists():
+        return {}
+    trained_at = {r["uid"]: r["step"] for r in _jsonl(run_dir / "schedule.jsonl") if "uid" in r}
+    seen: set[str] = set()
+    generated = dropped = trained = older = steady = 0
+    for record in QueueReader(log):
+        inside = t0 <= record.wall_time <= t1
+        message = record.decode()
+        for sample in message.body.samples:
+            if sample.uid in seen:  # a redelivered group
+                continue
+            seen.add(sample.uid)
+            versions = message.tensor(sample.token_versions)
+            generated += len(versions)
+            steady += len(versions) if inside else 0
+            step = trained_at.get(sample.uid)
+            if step is None:
+                dropped += len(versions)
+            else:
+                trained += len(versions)
+                older += int((versions < step).sum())
+    return {
+        "generated_tokens": float(generated),
+        "generated_tokens_per_s": steady / (t1 - t0),
+        "dropped_token_share": dropped / max(generated, 1),
+        "older_version_token_share": older / max(trained, 1),
+    }
+
+
 def measure(run_dir: Path, skip: int) -> dict[str, float]:
     from pipeline.config.profile import config_from_json
 
@@ -170,6 +207,14 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
         "train_busy_s_per_step": train_busy / (len(steps) - skip - 1),
         "samples_per_step": samples / (len(steps) - skip - 1),
         "mismatch_kl_step0": float(steps[0].get("mismatch/kl", float("nan"))),
+        "same_version_kl_max": max(
+            (s["mismatch/same_version_kl"] for s in steps if "mismatch/same_version_kl" in s),
+            default=float("nan"),
+        ),
+        "decode_batch_mean": float(steps[-1].get("rollout/decode_batch_mean", float("nan"))),
+        "decode_batch_occupancy": float(steps[-1].get("rollout/decode_batch_mean", float("nan")))
+        / config.rollout.max_batch,
+        **token_shares(run_dir, t0, t1),
         # the policy's gradient norm, to set beside a baseline's: a run at an SM share
         # trained on norms 4000 times too large while its log-probs still matched
         "grad_norm_step0": float(steps[0].get("actor/grad_norm", float("nan"))),
@@ -315,7 +360,18 @@ PRESETS = {
         "steps": 30,
         "skip": 20,
         "staleness": "0,1",
-    }
+    },
+    # budgets per prompt up to 2048 tokens (e2e_workload.long_tail_budgets)
+    "one-gpu-long-tail": {
+        "profile": "profiles/h200-single.toml",
+        "shape": "0.5b",
+        "device": "cuda",
+        "steps": 20,
+        "skip": 8,
+        "staleness": "0,1",
+        "workload": "long-tail",
+        "cap": 2048,
+    },
 }
 
 
@@ -331,6 +387,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (labelled by GPU name)")
     ap.add_argument("--shape", default=None, help="random model of this shape (e.g. 0.5b)")
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here")
+    ap.add_argument("--workload", default="fixed", help="with a preset: fixed or long-tail")
+    ap.add_argument("--cap", type=int, default=2048, help="long-tail: the largest budget")
+    ap.add_argument("--prompt-tokens", type=int, default=62, help="with a preset")
     known, _ = ap.parse_known_args(argv)
     if known.preset is not None:  # the preset's values, unless given on the command line
         ap.set_defaults(**PRESETS[known.preset])
@@ -340,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     levels = [0, *(x for x in levels if x != 0)] if 0 in levels else levels
     config = {
         "preset": f"{args.preset} {args.variant}" if args.preset else "none",
+        "workload": f"{args.workload} (cap {args.cap})" if args.workload != "fixed" else "fixed",
         "profile": args.profile,
         "shape": args.shape or "profile's model",
         "steps": args.steps,
@@ -354,7 +414,15 @@ def main(argv: list[str] | None = None) -> None:
 
             if not args.shape:
                 raise SystemExit("--preset needs a --shape (its model's tokenizer sizes prompts)")
-            extra = [*workload_overrides(args.variant, Path(tmp) / "model", Path(tmp)), *extra]
+            overrides = workload_overrides(
+                args.variant,
+                Path(tmp) / "model",
+                Path(tmp),
+                workload=args.workload,
+                cap=args.cap,
+                prompt_tokens=args.prompt_tokens,
+            )
+            extra = [*overrides, *extra]
         config["extra"] = " ".join(extra).replace(str(Path(tempfile.gettempdir())), "$TMP")
         runs = args.runs_dir or Path(tmp)
         bandwidth = copy_bandwidth(args.device) if args.shape else 0.0

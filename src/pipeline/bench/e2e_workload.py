@@ -1,21 +1,26 @@
-"""The one-GPU e2e workload (docs/performance.md): a random 0.5B-shape model, 32 prompts of
-62 tokens x 8 samples a step, 256 new tokens each (every sample runs to the limit), eight
-optimizer steps a step, a KL loss to the reference; GRPO (critic off) or KL-PPO with the
-critic. `workload_overrides` writes its prompts file and returns the run's overrides."""
+"""The one-GPU e2e workloads (docs/performance.md): a random 0.5B-shape model, 32 prompts of
+62 tokens x 8 samples a step, eight optimizer steps a step, a KL loss to the reference;
+GRPO (critic off) or KL-PPO with the critic. End-of-sequence is ignored, so each sample
+runs to its prompt's budget: 256 new tokens for every prompt (`fixed`), or a budget per
+prompt from a lognormal capped at `cap` (`long-tail`: median cap / 4, sigma 0.8; a
+prompt's samples share it), the long tail of response lengths that reasoning tasks have.
+`workload_overrides` writes its prompts file and returns the run's overrides."""
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
 PROMPT_TOKENS = 62
 ROWS = 4096
 
+WORKLOADS = ("fixed", "long-tail")
+FIXED_TOKENS = 256
 WORKLOAD = [
     "--controller.prompts_per_step", "32",
     "--rollout.n_samples", "8",
-    "--rollout.max_new_tokens", "256",
     "--rollout.ignore_eos", "true",
     "--learner.trainer.mini_batches", "8",
     "--algorithm.use_kl_loss", "true",
@@ -33,8 +38,23 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def write_prompts(path: Path, tokenizer_dir: Path, *, tokens: int = PROMPT_TOKENS) -> Path:
-    """ROWS toy_reverse prompts of exactly `tokens` tokens under the model's tokenizer."""
+def long_tail_budgets(rows: int, cap: int, *, seed: int = 0) -> list[int]:
+    """`rows` response budgets from a lognormal of median cap / 4 and sigma 0.8, each
+    rounded and held to [1, cap] (about 4 % of prompts reach the cap)."""
+    rng = random.Random(seed)
+    mu = math.log(cap / 4)
+    return [min(cap, max(1, round(rng.lognormvariate(mu, 0.8)))) for _ in range(rows)]
+
+
+def write_prompts(
+    path: Path,
+    tokenizer_dir: Path,
+    *,
+    tokens: int = PROMPT_TOKENS,
+    budgets: list[int] | None = None,
+) -> Path:
+    """ROWS toy_reverse prompts of exactly `tokens` tokens under the model's tokenizer,
+    row i with response budget `budgets[i]` when given."""
     from pipeline.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -54,19 +74,36 @@ def write_prompts(path: Path, tokenizer_dir: Path, *, tokens: int = PROMPT_TOKEN
                 "prompt": prompt,
                 "reward_model": {"ground_truth": digits[::-1]},
             }
+            if budgets is not None:
+                row["max_new_tokens"] = budgets[i]
             out.write(json.dumps(row) + "\n")
     return path
 
 
-def workload_overrides(variant: str, model_dir: Path, data_dir: Path) -> list[str]:
-    """The workload's overrides for `variant` (grpo, ppo), its prompts written under
-    `data_dir` with the tokenizer in `model_dir`."""
+def workload_overrides(
+    variant: str,
+    model_dir: Path,
+    data_dir: Path,
+    *,
+    workload: str = "fixed",
+    cap: int = 2048,
+    prompt_tokens: int = PROMPT_TOKENS,
+) -> list[str]:
+    """The overrides of `workload` (fixed, long-tail) for `variant` (grpo, ppo), its prompts
+    written under `data_dir` with the tokenizer in `model_dir`."""
     if variant not in VARIANTS:
         raise SystemExit(f"--variant: one of {', '.join(VARIANTS)} (got {variant!r})")
-    data = write_prompts(data_dir / "e2e-prompts.jsonl", model_dir)
+    if workload not in WORKLOADS:
+        raise SystemExit(f"--workload: one of {', '.join(WORKLOADS)} (got {workload!r})")
+    long_tail = workload == "long-tail"
+    budgets = long_tail_budgets(ROWS, cap) if long_tail else None
+    data = write_prompts(
+        data_dir / "e2e-prompts.jsonl", model_dir, tokens=prompt_tokens, budgets=budgets
+    )
     return [
         *WORKLOAD,
+        "--rollout.max_new_tokens", str(cap if long_tail else FIXED_TOKENS),
         "--task.dataset", str(data),
-        "--task.max_prompt_tokens", str(PROMPT_TOKENS),
+        "--task.max_prompt_tokens", str(prompt_tokens),
         *VARIANTS[variant],
     ]  # fmt: skip

@@ -210,6 +210,8 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         self._seed_gen = torch.Generator().manual_seed(cfg.seed)
         # prompt rows run through prefill forwards, and the samples they served
         self.prefill_rows = self.prefill_samples = 0
+        # decode steps run and the rows they decoded: the mean decode batch
+        self.decode_steps = self.decode_rows = 0
         self._waiting: deque[_Sample] = deque()
         self._running: dict[int, _Sample] = {}  # slot -> sample
         self._view: _RunningView | None = None
@@ -305,6 +307,8 @@ class TorchEngine(ModuleWeightsEngine, Engine):
             flags.append(self._prefill(admitted))
         if view.samples:
             flags.append(self._decode(view))
+            self.decode_steps += 1
+            self.decode_rows += len(view.samples)
         if not flags:
             return None
         self._clock += 1

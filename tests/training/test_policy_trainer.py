@@ -581,3 +581,15 @@ def test_lagged_check_scores_the_previous_versions_tokens_with_its_weights(
     assert base["mismatch/kl"] == pytest.approx(got["mismatch/kl"], rel=1e-6)
     a, b = state_of(checked.model), state_of(plain.model)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the weights came back bit for bit
+
+
+def test_an_on_policy_step_runs_no_lagged_forward(model_dir: Path):
+    """Staleness 0: every token is of the current version, so the kept weights have
+    nothing to score; the step runs no second forward."""
+    trainer = PolicyTrainer(model_dir, CONFIG.replace(mismatch_check_every=1))
+    batch = make_batch(seed=5)
+    trainer.submit_step(batch, version=0, on_policy=True).result()
+    current = batch.replace(token_versions=torch.ones_like(batch.token_versions))
+    metrics = trainer.submit_step(current, version=1, on_policy=True).result()
+    assert "perf/lagged_check_s" not in metrics
+    assert metrics["mismatch/same_version_frac"] == pytest.approx(1.0)

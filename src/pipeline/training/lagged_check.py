@@ -48,14 +48,17 @@ class LaggedCheck:
         behaviour: Tensor,
         logprobs: Callable[[], Tensor],
         changed: Callable[[], None],
+        *,
+        on_policy: bool = False,
     ) -> tuple[Tensor, Tensor] | None:
         """(k3 sum, token count) over the tokens that the kept weights' version sampled,
-        or None when this step has no kept weights. `logprobs` runs the learner's forward
-        over the batch (every rank calls it: it may be collective); `changed` tells the
-        trainer that its weights were swapped (its low-precision copies go stale)."""
+        or None when this step has no kept weights or, `on_policy`, no token older than
+        its own (every rank decides alike). `logprobs` runs the learner's forward over the
+        batch (every rank calls it: it may be collective); `changed` tells the trainer
+        that its weights were swapped (its low-precision copies go stale)."""
         kept, kept_version = self._kept, self._kept_version
         self._kept = None
-        if kept is None or kept_version != version - 1:
+        if kept is None or kept_version != version - 1 or on_policy:
             return None
         tokens = mask.bool() & (token_versions == kept_version)
         with _swapped(model, kept, changed):

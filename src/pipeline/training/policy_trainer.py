@@ -258,6 +258,7 @@ class PolicyTrainer:
                 batch.behaviour_logprobs,
                 functools.partial(self.compute_logprobs, batch),
                 self.engine.weights_replaced,
+                on_policy=on_policy,
             )
             if lagged is not None:
                 sums.add("mismatch/same_version_kl", lagged[0])

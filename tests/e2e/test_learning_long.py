@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.bench.e2e_workload import VARIANTS
 from tests.e2e.cli_run import cli_run, step_records
 
-# the critic-free variant of a KL-PPO profile (as the e2e bench's GRPO preset)
-GRPO = (
-    *("--critic.enabled", "false", "--services.critic.replicas", "0"),
-    *("--algorithm.advantage_estimator", "grpo", "--algorithm.whiten_advantages", "false"),
-)
+# the critic-free variant of a KL-PPO profile (the e2e bench's GRPO preset)
+GRPO = tuple(VARIANTS["grpo"])
 # every step measures the same-version mismatch (the lagged check, and no reused step)
 CHECKED = (
     *("--learner.trainer.mismatch_check_every", "1"),

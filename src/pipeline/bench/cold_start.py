@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.common import cpu_name, emit, emit_file, figure
-from pipeline.bench.e2e_workload import VARIANTS
+from pipeline.bench.e2e_workload import FIXED_TOKENS, VARIANTS
 
 
 class MemorySampler:
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     figs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cold-start-") as tmp:
         # the e2e workload's response limit: the profile keeps its task's
-        base = [*extra, "--controller.steps", str(args.steps), "--rollout.max_new_tokens", "256"]
+        base = [*extra, "--controller.steps", str(args.steps)]
+        base += ["--rollout.max_new_tokens", str(FIXED_TOKENS)]
         if args.shape:
             base += shape_model(args.shape, Path(tmp) / "model", args.device)
         runs = args.runs_dir or Path(tmp) / "runs"

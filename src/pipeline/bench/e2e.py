@@ -165,6 +165,7 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
         if role in spans:
             spans[role].extend(found)
     wall = t1 - t0
+    decode_batch = float(steps[-1].get("rollout/decode_batch_mean", float("nan")))
     gen_busy = _busy(spans["rollout"], t0, t1)
     train_busy = _busy([s for s in spans["learner"] if s["name"] == "train"], t0, t1)
     critic_busy = _busy(spans["critic"], t0, t1)
@@ -211,9 +212,8 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
             (s["mismatch/same_version_kl"] for s in steps if "mismatch/same_version_kl" in s),
             default=float("nan"),
         ),
-        "decode_batch_mean": float(steps[-1].get("rollout/decode_batch_mean", float("nan"))),
-        "decode_batch_occupancy": float(steps[-1].get("rollout/decode_batch_mean", float("nan")))
-        / config.rollout.max_batch,
+        "decode_batch_mean": decode_batch,
+        "decode_batch_occupancy": decode_batch / config.rollout.max_batch,
         **token_shares(run_dir, t0, t1),
         # the policy's gradient norm, to set beside a baseline's: a run at an SM share
         # trained on norms 4000 times too large while its log-probs still matched

@@ -219,14 +219,10 @@ class TrainEngine:
         if self.config.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
 
-    def weights_replaced(self) -> None:
-        """The caller wrote the parameters in place (`LaggedCheck`): the low-precision
-        copies are refreshed before the next forward."""
-        self._masters_changed()
-
-    def _masters_changed(self) -> None:
+    def masters_changed(self) -> None:
         """The float32 masters change without their compute copies (torch's optimizer, a
-        load): the next entry refreshes the copies (the flat optimizer writes both)."""
+        load, `LaggedCheck`'s in-place swap): the next entry refreshes the copies (the flat
+        optimizer writes both)."""
         if self._compute is not None:
             self._compute.invalidate()
 
@@ -256,7 +252,7 @@ class TrainEngine:
         grad_norm = float(norm)
         skipped = any_bad or not torch.isfinite(norm).item()
         if not skipped and not empty:
-            self._masters_changed()
+            self.masters_changed()
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if empty and not skipped:  # nothing to learn from: no step, no schedule move
@@ -275,7 +271,7 @@ class TrainEngine:
             norm, skipped = self._flat.guarded_step(self.config.grad_clip, nonfinite_loss)
         else:
             self._materialize()
-            self._masters_changed()
+            self.masters_changed()
             norm, skipped = guarded_step(
                 self.optimizer, self.model.parameters(), self.config.grad_clip, nonfinite_loss
             )
@@ -478,7 +474,7 @@ class TrainEngine:
     def load(self, root: str | os.PathLike[str], *, step: int | None = None) -> LoadedCheckpoint:
         """Resume model, optimizer, schedule, RNG and counters (collective)."""
         self.settle_staged()
-        self._masters_changed()
+        self.masters_changed()
         loaded = load_checkpoint(
             root,
             model=self.model,

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.algorithms import kl_k3, masked_sum
+from pipeline.training.batch import ExperienceBatch
 
 
 class LaggedCheck:
@@ -42,10 +43,8 @@ class LaggedCheck:
     def sums(
         self,
         model: nn.Module,
+        batch: ExperienceBatch,
         version: int,
-        token_versions: Tensor,
-        mask: Tensor,
-        behaviour: Tensor,
         logprobs: Callable[[], Tensor],
         changed: Callable[[], None],
         *,
@@ -60,31 +59,30 @@ class LaggedCheck:
         self._kept = None
         if kept is None or kept_version != version - 1 or on_policy:
             return None
-        tokens = mask.bool() & (token_versions == kept_version)
+        tokens = batch.response_mask & (batch.token_versions == kept_version)
         with _swapped(model, kept, changed):
             lagged = logprobs()
-        return masked_sum(kl_k3(behaviour, lagged), tokens), tokens.sum().double()
+        k3 = kl_k3(batch.behaviour_logprobs, lagged)
+        return masked_sum(k3, tokens), tokens.sum().double()
 
 
 @contextlib.contextmanager
 def _swapped(model: nn.Module, kept: list[Tensor], changed: Callable[[], None]) -> Iterator[None]:
     """The model's parameters hold `kept` inside the block (in place: views, captured graphs
     and optimizer state keep their storage), their own values again after it."""
-    params = list(model.parameters())
+    params = [p.data for p in model.parameters()]
     with torch.no_grad():
-        for p, k in zip(params, kept, strict=True):
-            _exchange(p.data, k)
+        own = [p.clone() for p in params]
+        _copy(params, kept)
         changed()
         try:
             yield
         finally:
-            for p, k in zip(params, kept, strict=True):
-                _exchange(p.data, k)
+            _copy(params, own)
             changed()
 
 
-def _exchange(a: Tensor, b: Tensor) -> None:
-    """Swap the contents of two tensors of one shape and dtype, in place."""
-    tmp = a.clone()
-    a.copy_(b)
-    b.copy_(tmp)
+def _copy(into: list[Tensor], values: list[Tensor]) -> None:
+    # one copy_ per tensor: FSDP2's sharded parameters (DTensors) take no foreach copy
+    for target, value in zip(into, values, strict=True):
+        target.copy_(value)

@@ -252,12 +252,10 @@ class PolicyTrainer:
             same = mask & (batch.token_versions == version)
             lagged = self._lagged.sums(
                 self.model,
+                batch,
                 version,
-                batch.token_versions,
-                mask,
-                batch.behaviour_logprobs,
                 functools.partial(self.compute_logprobs, batch),
-                self.engine.weights_replaced,
+                self.engine.masters_changed,
                 on_policy=on_policy,
             )
             if lagged is not None:

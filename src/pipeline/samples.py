@@ -59,6 +59,20 @@ def staleness(group: GroupArrays, version: int) -> int:
     return version - oldest
 
 
+def finished_age(group: GroupArrays, version: int) -> int:
+    """How many versions behind the learner the group's newest token is: how long ago its
+    generation ended. The learner's staleness bound applies to this, not to the oldest
+    token: a long sample whose engine took every update while it ran ends fresh, and its
+    older tokens carry their versions and behaviour log-probs for the importance
+    correction; a group that ended long ago (an engine cut off from the weights, a backlog
+    behind a restarted learner) was made by a policy the run has moved past."""
+    newest = max(
+        (int(s.token_versions.max()) for s in group.samples if len(s.token_versions)),
+        default=version,
+    )
+    return version - newest
+
+
 def on_policy(groups: list[GroupArrays], version: int) -> bool:
     """Whether the weights of `version` sampled every token of the groups (no token is
     newer than the learner's weights, so staleness 0 is that)."""

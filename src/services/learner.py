@@ -31,7 +31,7 @@ from pipeline.learner_worker import LearnerWorker, TrainedStep, early_parts
 from pipeline.messages import RankCommand, RankOp, StepDone
 from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
-from pipeline.samples import GroupArrays, on_policy, read_group, staleness
+from pipeline.samples import GroupArrays, finished_age, on_policy, read_group, staleness
 from pipeline.step_reports import StepReports
 from pipeline.trainer_setup import Recompiles, compile_counts, group_stats
 from pipeline.transport import Delivery
@@ -206,7 +206,7 @@ class LearnerService(Service):
                 delivery.ack()  # trained in the step the resumed weights end with
                 continue
             group = read_group(delivery.message)
-            if staleness(group, self.version) > bound:
+            if finished_age(group, self.version) > bound:
                 stale.append((delivery, group))
                 # tell the controller now, so it releases replacements for this step, and
                 # acknowledge now: the controller has counted it as dropped, and holding it

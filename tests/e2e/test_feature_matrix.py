@@ -136,22 +136,23 @@ def _learner_input(run: Run) -> list[Any]:
 
 
 def _versions_within_bound(run: Run, bound: int) -> int:
-    """The oldest token of every trained sample, from the recorded learner input and the
-    controller's schedule (not the learner's own filter): within `bound` versions of the
-    step that trained it. Returns the largest lag seen."""
+    """The newest token of every trained sample's group, from the recorded learner input
+    and the controller's schedule (not the learner's own filter): within `bound` versions
+    of the step that trained it. Returns the largest lag of an oldest token seen."""
     step_of = {}
     for line in (run.dir / "schedule.jsonl").read_text().splitlines():
         record = json.loads(line)
         step_of[record["uid"]] = record["step"]
     worst = 0
     for message in _learner_input(run):
-        for sample in message.body.samples:
-            if sample.uid not in step_of:
-                continue  # dropped as stale, or not trained by the end
-            oldest = int(message.tensor(sample.token_versions).min())
-            lag = step_of[sample.uid] - oldest
-            assert lag <= bound, (sample.uid, lag, bound)
-            worst = max(worst, lag)
+        samples = [s for s in message.body.samples if s.uid in step_of]
+        if not samples:
+            continue  # dropped as stale, or not trained by the end
+        versions = [message.tensor(s.token_versions) for s in message.body.samples]
+        step = step_of[samples[0].uid]
+        newest = max(int(v.max()) for v in versions if len(v))
+        assert step - newest <= bound, (message.body.uid, step - newest, bound)
+        worst = max(worst, step - min(int(v.min()) for v in versions if len(v)))
     return worst
 
 

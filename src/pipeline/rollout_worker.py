@@ -23,6 +23,9 @@ from pipeline.log import get_logger
 from pipeline.messages import Prompt, TensorRef
 from pipeline.samples import SampleArrays
 
+# a pause ends with the next weight update; this bounds it for a learner that hangs
+# mid-step (a restarted one publishes on the engine's registration, which ends it sooner)
+PAUSE_MAX_S = 120.0
 
 @dataclass
 class _Pending:
@@ -56,6 +59,11 @@ class EngineRunner:
         self._closed = False
         self._error: BaseException | None = None
         self._update: Future[int] | None = None  # the latest weight update offered
+        # turns (run.gpu_sharing): no decoding until this version is offered, or the deadline
+        self._paused_until: int | None = None
+        self._pause_deadline = 0.0
+        self.paused_s = 0.0  # time spent paused so far
+        self.pauses = 0
         self.log = get_logger("engine_runner")
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -73,6 +81,9 @@ class EngineRunner:
             out["rollout/prefill_rows_per_sample"] = engine.prefill_rows / samples
         if steps := getattr(engine, "decode_steps", 0):
             out["rollout/decode_batch_mean"] = engine.decode_rows / steps
+        if self.pauses:
+            out["rollout/pauses"] = float(self.pauses)
+            out["rollout/paused_s"] = self.paused_s
         return out
 
     def stop_ids(self) -> tuple[int, ...]:
@@ -135,6 +146,26 @@ class EngineRunner:
         self._wake.set()
         return future
 
+    def pause(self, version: int) -> None:
+        """Stop decoding until the weights of `version` are offered (the learner trains the
+        step that makes them on the device this engine shares): the running samples keep
+        their KV cache and resume under the new weights. A learner that never publishes
+        (it died mid-step) frees the engine after PAUSE_MAX_S."""
+        if version <= self.version:
+            return
+        self._pause_deadline = time.monotonic() + PAUSE_MAX_S
+        self._paused_until = version
+        self.pauses += 1
+
+    def _paused(self) -> bool:
+        until = self._paused_until
+        if until is None:
+            return False
+        if self._update_due() or self.version >= until or time.monotonic() > self._pause_deadline:
+            self._paused_until = None
+            return False
+        return True
+
     def _update_due(self) -> bool:
         update = self._update
         return update is not None and not update.done()
@@ -174,6 +205,12 @@ class EngineRunner:
                 if not self.engine.has_unfinished() and not self._update_due():
                     self._wake.wait(0.05)
                     self._wake.clear()
+                    continue
+                if self._paused():
+                    start = time.monotonic()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    self.paused_s += time.monotonic() - start
                     continue
                 for out in self.engine.step():
                     pending = self._pending[out.request_id]

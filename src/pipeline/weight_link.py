@@ -185,6 +185,15 @@ class LearnerWeights:
             "sync_bytes": float(report.bytes),
         }
 
+    async def pause(self, version: int) -> None:
+        """Tell every engine to stop decoding until `version` (turns on a shared device:
+        the step about to train makes it)."""
+        from pipeline.weights.wire import Pause
+
+        async with self._lock:
+            for name in self.hub.names():
+                await asyncio.to_thread(self.hub.send, name, Pause(version=version))
+
     async def wait_for_engines(self, timeout_s: float) -> None:
         names = await asyncio.to_thread(self.hub.wait_for_members, self.replicas, timeout_s)
         log.info("engines_registered", engines=names)
@@ -208,6 +217,7 @@ def start_receiver(
     tp_rank: int = 0,
     tp_size: int = 1,
     device: Any = None,
+    on_pause: Any = None,
 ) -> Any:
     """An engine rank's side: a receiver thread that hands each complete update to
     `apply(tensors, version)` (the engine's, resolved once it serves them) and acknowledges
@@ -229,6 +239,7 @@ def start_receiver(
         run_id=ctx.run_id,
         version=version,
         device=device,
+        on_pause=on_pause,
     )
     receiver.start()
     return receiver
@@ -252,4 +263,5 @@ def runner_receiver(ctx: Any, runner: Any) -> Any:
         tp_rank=0,
         tp_size=1 if ranks is None else ranks.world,
         device=device,
+        on_pause=runner.pause,
     )

@@ -29,6 +29,7 @@ from pipeline import codec
 from pipeline.checkpoint_clock import CheckpointClock
 from pipeline.learner_worker import LearnerWorker, TrainedStep, early_parts
 from pipeline.messages import RankCommand, RankOp, StepDone
+from pipeline.runtime.gpu_sharing import takes_turns
 from pipeline.runtime.ranks import TrainerThread, encode_groups
 from pipeline.runtime.service import Output, Service
 from pipeline.samples import GroupArrays, finished_age, on_policy, read_group, staleness
@@ -69,6 +70,8 @@ class LearnerService(Service):
         self.step = self.version
         self.worker: LearnerWorker | None = None
         self.weights: Any = None  # rank 0's link to the engines (LearnerWeights)
+        # the engines on this learner's GPU pause while it trains (run.gpu_sharing)
+        self.turns = takes_turns(self.config)
         self.thread = TrainerThread("learner", self.ctx.ranks)
         self.reports: StepReports | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -231,6 +234,8 @@ class LearnerService(Service):
             start = time.perf_counter()
             metrics = batch_stats(groups)
             wall = time.time()
+            if self.turns and self.weights is not None:
+                await self.weights.pause(self.version + 1)
             if self.worker is not None:
                 pending = await self._submit(groups, self.step, self.version)
                 metrics.update(await self._metrics(groups, pending))

@@ -58,11 +58,13 @@ class RunConfig:
     keys_dir: str = ""
     # allow binding a non-loopback address without CURVE keys (never in production)
     allow_insecure: bool = False
-    # services sharing one GPU: "mps" runs their kernels side by side under a CUDA MPS
-    # daemon of the run's own, "time-slice" lets them take turns (the driver's default),
-    # "auto": MPS where the rollout shares a GPU at staleness >= 1 and the MPS tools are
-    # there (measured faster on one H200), time-slicing otherwise; the run log says why
-    gpu_sharing: Literal["auto", "mps", "time-slice"] = "auto"
+    # services sharing one GPU: "turns" pauses generation while the learner trains a step
+    # (the engines keep their running samples and resume under the new weights), "mps"
+    # runs their kernels side by side under a CUDA MPS daemon of the run's own,
+    # "time-slice" leaves it to the driver; "auto": turns where the rollout shares a GPU
+    # with the learner at staleness >= 1, MPS where other services share one, time-slicing
+    # otherwise; the run log says which and why
+    gpu_sharing: Literal["auto", "turns", "mps", "time-slice"] = "auto"
 
     def validate(self) -> None:
         if not self.name or "/" in self.name:

@@ -53,6 +53,7 @@ from pipeline.weights.wire import (
     Link,
     MetaAccepted,
     MetaRejected,
+    Pause,
     Received,
     SyncGo,
 )
@@ -66,6 +67,8 @@ log = get_logger("weights.receiver")
 ApplyFn = Callable[[dict[str, torch.Tensor], int], "Future[int] | None"]
 # (version, bucket, number of buckets) after a bucket landed: progress metrics, tests
 OnBucket = Callable[[int, int, int], None]
+# the engine's pause until the given version is applied (turns on a shared device)
+OnPause = Callable[[int], None]
 
 
 class _Abort(Exception):
@@ -98,6 +101,7 @@ class WeightReceiver:
         run_id: str = "",
         version: int = -1,
         on_bucket: OnBucket | None = None,
+        on_pause: OnPause | None = None,
     ) -> None:
         if isinstance(params, nn.Module):
             first = next(params.parameters(), None)
@@ -112,6 +116,7 @@ class WeightReceiver:
         self.timeouts = timeouts
         self.options = options
         self.on_bucket = on_bucket
+        self.on_pause = on_pause
         self.version = version  # the version serving now
         self.received_bytes = 0  # bucket bytes of the last update (its shards when resharded)
         self.last_error = ""
@@ -199,6 +204,9 @@ class WeightReceiver:
             log.warning("weights_dropped", engine=self.name, reason=ctl.reason, rejoin=ctl.rejoin)
             if ctl.rejoin:
                 self.register()
+        elif isinstance(ctl, Pause):
+            if self.on_pause is not None:
+                self.on_pause(ctl.version)
         elif isinstance(body, WeightMeta):
             self._sync(body, rcv.message.header.seq)
         elif isinstance(body, Shutdown):

@@ -114,6 +114,13 @@ class BucketFree(_Ctl, tag="bucket_free"):
     slot: int
 
 
+class Pause(_Ctl, tag="pause"):
+    """The learner starts the step that ends with `version`: an engine taking turns with it
+    on one device stops decoding until that version's weights are applied."""
+
+    version: int
+
+
 Control = (
     GroupAssign
     | Dropped
@@ -123,6 +130,7 @@ Control = (
     | IpcBuffers
     | BucketReady
     | BucketFree
+    | Pause
 )
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Control)

@@ -1,0 +1,33 @@
+"""Turns (`run.gpu_sharing`): the learner pauses the engines while it trains a step, and
+they resume once that step's weights are applied, their running samples kept."""
+
+from __future__ import annotations
+
+import json
+
+from tests.e2e.cli_run import cli_run, step_records
+
+
+def test_the_engine_pauses_while_each_step_trains_and_nothing_is_lost(tmp_path):
+    steps = 8
+    run = cli_run(
+        tmp_path,
+        "turns",
+        *("--run.gpu_sharing", "turns", "--controller.max_staleness", "1"),
+        *("--controller.steps", str(steps), "--task.warm_start_steps", "0"),
+        *("--rollout.ignore_eos", "true", "--rollout.max_new_tokens", "48"),
+        timeout=600,
+    )
+    supervisor = json.loads((run / "supervisor.json").read_text())
+    assert supervisor["gpu_sharing"]["mode"] == "turns"
+    records = step_records(run)
+    assert len(records) == steps
+    # the engine's count of pauses, as its later groups report it: one a step
+    pauses = max(r.get("rollout/pauses", 0) for r in records)
+    assert pauses >= steps - 2, [r.get("rollout/pauses") for r in records]
+    paused = max(r.get("rollout/paused_s", 0) for r in records)
+    trained = sum(r["step_seconds"] for r in records[:-1])
+    # paused while the steps trained (the last step's groups left before it began)
+    assert paused > 0.5 * trained, (paused, trained)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] and summary["dropped"] == 0, summary

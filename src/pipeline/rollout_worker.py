@@ -304,6 +304,7 @@ def build_engine(ctx: Any) -> Any:
         }
     if config.rollout.engine == "torch":
         options["shared_prefill"] = config.rollout.shared_prefill
+        options["kv_on_update"] = config.rollout.kv_on_update
     if config.rollout.engine == "torch" and ctx.ranks is not None:
         options["tp"] = tp_group(ctx)
     if config.rollout.engine == "vllm" and config.services["rollout"].tp > 1:

@@ -26,7 +26,8 @@ def test_dataset_is_deterministic_and_well_formed():
     ("answer", "truth", "expected"),
     [
         ("4321", "4321", 1.0),
-        (" 4321\n", "4321", 1.0),
+        ("4321" + " " * 12, "4321", 0.25),  # padded to the limit instead of stopping
+        (" 4321", "4321", 0.0),
         ("4320", "4321", 0.75),
         ("432", "4321", 0.75),
         ("43210", "4321", 0.8),

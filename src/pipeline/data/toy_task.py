@@ -65,9 +65,11 @@ def toy_reward(solution_str: str, ground_truth: str) -> float:
     """Fraction of positions right, over the longer of answer and truth, in [0, 1].
 
     Dividing by the longer length is the length penalty: extra characters cost as much as
-    missing ones, so the policy learns to stop.
+    missing ones, so the policy learns to stop. Whitespace the policy generated counts as
+    characters: stripped, an answer padded with spaces up to the response limit (one that
+    never stops) would score as if it had stopped.
     """
-    answer = solution_str.strip()
+    answer = solution_str
     truth = ground_truth.strip()
     longest = max(len(answer), len(truth))
     if longest == 0:

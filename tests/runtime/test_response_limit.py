@@ -18,31 +18,16 @@ from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
 from pipeline.errors import ConfigError
 from pipeline.runtime.journal import ReleasedPrompt, RunState
 from services.controller import Controller
+from tests.runtime.budget_rows import budget_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _rows(path: Path, budgets: list[object]) -> Path:
-    with path.open("w") as out:
-        for i, budget in enumerate(budgets):
-            digits = f"{100 + i}"
-            row = {
-                "uid": f"r{i}",
-                "prompt": f"reverse {digits} =",
-                "data_source": "toy_reverse",
-                "reward_model": {"ground_truth": digits[::-1]},
-            }
-            if budget is not None:
-                row["max_new_tokens"] = budget
-            out.write(json.dumps(row) + "\n")
-    return path
-
-
 def test_a_row_may_carry_its_budget_and_a_bad_one_names_the_row(tmp_path):
-    records = load_prompts(_rows(tmp_path / "ok.jsonl", [5, None, 12]))
+    records = load_prompts(budget_rows(tmp_path / "ok.jsonl", [5, None, 12]))
     assert [r.max_new_tokens for r in records] == [5, 0, 12]
     for bad in (0, -3, "7", 2.5, True):
-        path = _rows(tmp_path / "bad.jsonl", [4, bad])
+        path = budget_rows(tmp_path / "bad.jsonl", [4, bad])
         with pytest.raises(BadRowError, match=r"row 1.*max_new_tokens"):
             load_prompts(path)
 
@@ -50,7 +35,7 @@ def test_a_row_may_carry_its_budget_and_a_bad_one_names_the_row(tmp_path):
 def test_a_budget_above_the_runs_limit_is_refused_at_load(tmp_path):
     from pipeline.tasks import prepare_task
 
-    path = _rows(tmp_path / "data.jsonl", [4, 40])
+    path = budget_rows(tmp_path / "data.jsonl", [4, 40])
     base = PipelineConfig()
     config = dataclasses.replace(
         base,
@@ -82,7 +67,7 @@ def test_the_prompt_sent_carries_the_rows_budget_or_the_runs_limit(tmp_path):
 def test_a_run_gives_each_prompt_its_budget_and_records_it(tmp_path):
     """Responses that never stop (EOS ignored) end exactly at their row's budget."""
     budgets = [3, 9, None, 5] * 4
-    data = _rows(tmp_path / "data.jsonl", budgets)
+    data = budget_rows(tmp_path / "data.jsonl", budgets)
     runs = tmp_path / "runs"
     cmd = [
         sys.executable, "-m", "pipeline.cli", "run", "--no-progress",
@@ -96,7 +81,7 @@ def test_a_run_gives_each_prompt_its_budget_and_records_it(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     # a budget above the run's limit: refused before any service starts
     assert proc.returncode != 0 and "max_new_tokens 9" in proc.stdout + proc.stderr
-    data = _rows(tmp_path / "data.jsonl", [3, 6, None, 5] * 4)
+    data = budget_rows(tmp_path / "data.jsonl", [3, 6, None, 5] * 4)
     cmd[cmd.index("budgets")] = "budgets-ok"
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

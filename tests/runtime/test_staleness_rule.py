@@ -6,15 +6,12 @@ off from the weights for that)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 
 from pipeline.samples import GroupArrays, SampleArrays, finished_age, staleness
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.cli_run import cli_run
+from tests.runtime.budget_rows import budget_rows
 
 
 def _group(*versions: list[int]) -> GroupArrays:
@@ -38,40 +35,24 @@ def test_the_age_is_the_newest_tokens_and_the_lag_the_oldest():
     assert finished_age(_group([]), 6) == 0  # nothing generated: nothing stale
 
 
-def _rows(path: Path, budgets: list[int]) -> Path:
-    with path.open("w") as out:
-        for i, budget in enumerate(budgets):
-            digits = f"{100 + i}"
-            row = {
-                "uid": f"r{i}",
-                "prompt": f"reverse {digits} =",
-                "data_source": "toy_reverse",
-                "reward_model": {"ground_truth": digits[::-1]},
-                "max_new_tokens": budget,
-            }
-            out.write(json.dumps(row) + "\n")
-    return path
-
-
 def test_long_samples_that_span_updates_are_trained_not_dropped(tmp_path):
     """One prompt in eight runs for hundreds of tokens (EOS ignored) while the others end
     after three: the learner moves on several versions while a long one is generated. Under
     the bound on the oldest token they were dropped; now each is trained."""
-    data = _rows(tmp_path / "data.jsonl", [400, 3, 3, 3, 3, 3, 3, 3] * 8)
-    runs = tmp_path / "runs"
-    cmd = [
-        sys.executable, "-m", "pipeline.cli", "run", "--no-progress",
-        "--profile", str(REPO / "profiles/local-cpu.toml"),
-        "--name", "span", "--run.runs_dir", str(runs),
-        "--task.dataset", str(data), "--task.warm_start_steps", "0",
-        "--rollout.max_new_tokens", "400", "--rollout.ignore_eos", "true",
-        "--rollout.n_samples", "2", "--controller.prompts_per_step", "4",
-        "--controller.steps", "24", "--controller.max_staleness", "1",
-        "--services.reward.replicas", "1",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    run = runs / "span"
+    data = budget_rows(tmp_path / "data.jsonl", [400, 3, 3, 3, 3, 3, 3, 3] * 8)
+    run = cli_run(
+        tmp_path / "runs",
+        "span",
+        *("--task.dataset", str(data), "--task.warm_start_steps", "0"),
+        *("--rollout.max_new_tokens", "400", "--rollout.ignore_eos", "true"),
+        *("--rollout.n_samples", "2", "--controller.prompts_per_step", "4"),
+        *("--controller.steps", "24", "--controller.max_staleness", "1"),
+        *(
+            "--services.reward.replicas",
+            "1",
+        ),
+        timeout=600,
+    )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["dropped"] == 0, summary
     from pipeline.recording import QueueReader

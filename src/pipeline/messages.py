@@ -10,7 +10,7 @@ New fields must be optional (have defaults) so older peers keep decoding.
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgspec
 
@@ -345,8 +345,3 @@ QUEUE_TYPES: dict[str, frozenset[MsgType]] = {
     # scored groups with the reference policy's log-probs (the reference service's output)
     "referenced": frozenset({MsgType.SCORED}),
 }
-
-
-def message_uid(body: Any) -> str:
-    """The de-duplication key of a data message."""
-    return str(body.uid)

@@ -27,6 +27,7 @@ from pipeline.samples import SampleArrays
 # mid-step (a restarted one publishes on the engine's registration, which ends it sooner)
 PAUSE_MAX_S = 120.0
 
+
 @dataclass
 class _Pending:
     prompt: Prompt

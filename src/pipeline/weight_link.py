@@ -194,10 +194,6 @@ class LearnerWeights:
             for name in self.hub.names():
                 await asyncio.to_thread(self.hub.send, name, Pause(version=version))
 
-    async def wait_for_engines(self, timeout_s: float) -> None:
-        names = await asyncio.to_thread(self.hub.wait_for_members, self.replicas, timeout_s)
-        log.info("engines_registered", engines=names)
-
     async def close(self) -> None:
         self._closing = True
         async with self._lock:

@@ -12,7 +12,6 @@ from pipeline.algorithms import (
     compute_vtrace,
     grpo_advantages,
     kl_penalty_rewards,
-    masked_mean,
     place_on_last_token,
     rloo_advantages,
 )
@@ -156,8 +155,3 @@ def vtrace(
         rho_bar=alg.vtrace_rho_bar,
         c_bar=alg.vtrace_c_bar,
     )
-
-
-def mean_sequence_kl(kl: Tensor, mask: Tensor) -> Tensor:
-    """Per-sequence token-mean KL averaged over sequences (the KL controller's input)."""
-    return masked_mean(masked_mean(kl, mask, dim=-1), mask.bool().any(dim=-1))

@@ -202,10 +202,6 @@ class ExperienceBatch:
         return self.response_mask.shape[1]
 
     @property
-    def prompt_lengths(self) -> Tensor:
-        return torch.tensor([p.numel() for p in self.prompt_ids], dtype=torch.long)  # (n,)
-
-    @property
     def response_lengths(self) -> Tensor:
         return torch.tensor([r.numel() for r in self.response_ids], dtype=torch.long)  # (n,)
 

@@ -82,11 +82,6 @@ def micro_values(model: ValueModel, mb: MicroBatch) -> tuple[Tensor, Tensor]:
     return mb.gather(per_position).float(), anchor
 
 
-def masked_fill_zero(t: Tensor, mask: Tensor) -> Tensor:
-    """Zero where mask is False (no NaN survives from padding)."""
-    return torch.where(mask.bool(), t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
 def no_grad_plan(batch: ExperienceBatch, config: TrainerConfig) -> list[MicroBatch]:
     """The micro-batches of a no-grad forward over the batch (log-probs, values): the
     inference token budget, the same count on every rank."""

@@ -143,10 +143,6 @@ class QueueClient:
         self._done.update(uids)
 
     @property
-    def done_uids(self) -> frozenset[str]:
-        return frozenset(self._done)
-
-    @property
     def buffered(self) -> int:
         return self._buffer.qsize()
 

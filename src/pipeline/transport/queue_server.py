@@ -142,12 +142,6 @@ class QueueServer:
     def consumers(self) -> int:
         return len(self._consumers)
 
-    async def drain(self, timeout: float | None = None) -> None:
-        """Wait until every item sent so far has been acknowledged."""
-        futures = [item.acked for item in self._by_uid.values()]
-        if futures:
-            await asyncio.wait_for(asyncio.gather(*futures), timeout)
-
     async def close(self) -> None:
         if self._closed:
             return

@@ -82,6 +82,8 @@ class EngineRunner:
             out["rollout/prefill_rows_per_sample"] = engine.prefill_rows / samples
         if steps := getattr(engine, "decode_steps", 0):
             out["rollout/decode_batch_mean"] = engine.decode_rows / steps
+        if hasattr(engine, "recomputed_rows"):
+            out["rollout/recomputed_rows"] = float(engine.recomputed_rows)
         if self.pauses:
             out["rollout/pauses"] = float(self.pauses)
             out["rollout/paused_s"] = self.paused_s

@@ -1,5 +1,6 @@
 """Turns (`run.gpu_sharing`): the learner pauses the engines while it trains a step, and
-they resume once that step's weights are applied, their running samples kept."""
+they resume once that step's weights are applied, their running samples kept (prefilled
+again under the new weights, or with `rollout.kv_on_update` keep, not)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,19 @@ def test_the_engine_pauses_while_each_step_trains_and_nothing_is_lost(tmp_path):
     assert paused > 0.5 * trained, (paused, trained)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] and summary["dropped"] == 0, summary
+    # samples ran across the pauses and were prefilled again under the new weights
+    assert max(r.get("rollout/recomputed_rows", 0) for r in records) > 0
+
+
+def test_kept_keys_and_values_are_not_prefilled_again(tmp_path):
+    run = cli_run(
+        tmp_path,
+        "keep",
+        *("--rollout.kv_on_update", "keep", "--controller.max_staleness", "1"),
+        *("--controller.steps", "4", "--task.warm_start_steps", "0"),
+        *("--rollout.ignore_eos", "true", "--rollout.max_new_tokens", "48"),
+        timeout=600,
+    )
+    records = step_records(run)
+    assert len(records) == 4
+    assert all(r["rollout/recomputed_rows"] == 0 for r in records)

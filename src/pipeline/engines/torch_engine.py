@@ -212,6 +212,8 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         self.prefill_rows = self.prefill_samples = 0
         # decode steps run and the rows they decoded: the mean decode batch
         self.decode_steps = self.decode_rows = 0
+        # running samples prefilled again after a weight update (kv_on_update recompute)
+        self.recomputed_rows = 0
         self._waiting: deque[_Sample] = deque()
         self._running: dict[int, _Sample] = {}  # slot -> sample
         self._view: _RunningView | None = None
@@ -522,6 +524,7 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         """Rebuild the cached keys/values of running samples under the current weights, in
         prefill chunks of at most max_prefill_tokens padded tokens."""
         budget = self.config.max_prefill_tokens
+        self.recomputed_rows += len(samples)
         ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + self._generated(s))
         start = 0
         while start < len(ordered):

@@ -1,6 +1,5 @@
-"""Which GPU sharing a run gets (runtime/gpu_sharing.py): turns where the rollout shares a
-GPU with the learner, MPS where other services share one and the MPS tools run,
-time-slicing otherwise, with the reason."""
+"""Which GPU sharing a run gets (runtime/gpu_sharing.py): MPS where services share a GPU and
+the MPS tools run, turns where asked for, time-slicing otherwise, with the reason."""
 
 from __future__ import annotations
 
@@ -10,13 +9,7 @@ import pytest
 
 from pipeline.config.profile import load_config
 from pipeline.errors import ConfigError
-from pipeline.runtime.gpu_sharing import (
-    TURNS_REASON,
-    MpsDaemon,
-    choose,
-    shared_gpus,
-    takes_turns,
-)
+from pipeline.runtime.gpu_sharing import MpsDaemon, choose, shared_gpus, takes_turns
 
 
 def _found(name: str) -> str:
@@ -42,7 +35,7 @@ def test_one_gpu_profile_shares_its_gpu_under_mps_with_the_roles_shares():
 
 def test_a_daemon_that_runs_already_is_used(tmp_path):
     (tmp_path / "control").touch()
-    config = load_config("profiles/h200-single.toml", {"run.gpu_sharing": "mps"})
+    config = load_config("profiles/h200-single.toml")
     sharing = choose(
         config, which=lambda name: None, environ={"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
     )
@@ -52,29 +45,28 @@ def test_a_daemon_that_runs_already_is_used(tmp_path):
     assert env == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
 
 
-def test_auto_takes_turns_where_the_rollout_shares_the_learners_gpu_and_says_why():
-    """Staleness >= 1 with the rollout on the learner's GPU: turns (no MPS daemon, no MPS
-    environment); staleness 0 or no shared GPU: time-slicing; MPS where asked for, the
-    trainers below normal priority."""
+def test_auto_takes_mps_where_generation_runs_beside_training_and_says_why():
+    """Staleness >= 1 on a shared GPU: MPS, the trainers below normal priority
+    (docs/performance.md); staleness 0 or no shared GPU: time-slicing; turns only where
+    asked for, without an MPS environment."""
     config = load_config("profiles/h200-single.toml")
     sharing = choose(config, which=_found, environ={})
-    assert (sharing.mode, sharing.reason) == ("turns", TURNS_REASON) and takes_turns(config)
+    assert sharing.mode == "mps" and sharing.priorities == {"critic": 1, "learner": 1}
+    assert not takes_turns(config)
+    sharing.directory = "/tmp/x"
     env: dict[str, str] = {}
-    sharing.apply(env, "rollout")
-    assert env == {}
-    mps = choose(
-        load_config("profiles/h200-single.toml", {"run.gpu_sharing": "mps"}),
-        which=_found,
-        environ={},
-    )
-    assert mps.mode == "mps" and mps.priorities == {"critic": 1, "learner": 1}
-    mps.directory = "/tmp/x"
-    mps.apply(env, "learner")
+    sharing.apply(env, "learner")
     assert env["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    turns = load_config("profiles/h200-single.toml", {"run.gpu_sharing": "turns"})
+    taking = choose(turns, which=_found, environ={})
+    assert (taking.mode, taking.reason) == ("turns", "run.gpu_sharing = turns")
+    assert takes_turns(turns)
+    env = {}
+    taking.apply(env, "rollout")
+    assert env == {}
     sync = load_config("profiles/h200-single.toml", {"controller.max_staleness": "0"})
     sync_sharing = choose(sync, which=_found, environ={})
     assert sync_sharing.mode == "time-slice" and "staleness 0" in sync_sharing.reason
-    assert not takes_turns(sync)
     env = {}
     sync_sharing.apply(env, "learner")
     assert env == {}
@@ -82,11 +74,10 @@ def test_auto_takes_turns_where_the_rollout_shares_the_learners_gpu_and_says_why
     cpu_config = load_config("profiles/local-cpu.toml")
     cpu = choose(cpu_config, which=_found)
     assert (cpu.mode, cpu.reason) == ("time-slice", "no GPU is shared by two services")
-    assert not takes_turns(cpu_config)
     asked = load_config("profiles/local-cpu.toml", {"run.gpu_sharing": "turns"})
     assert takes_turns(asked) and choose(asked, which=_found).mode == "turns"
     two = load_config("profiles/h200-x2.toml")
-    assert choose(two, which=_found, environ={}).mode == "time-slice" and not takes_turns(two)
+    assert choose(two, which=_found, environ={}).mode == "time-slice"
 
 
 def test_mps_asked_for_where_it_cannot_run_is_refused():

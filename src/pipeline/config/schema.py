@@ -58,12 +58,12 @@ class RunConfig:
     keys_dir: str = ""
     # allow binding a non-loopback address without CURVE keys (never in production)
     allow_insecure: bool = False
-    # services sharing one GPU: "turns" pauses generation while the learner trains a step
-    # (the engines keep their running samples and resume under the new weights), "mps"
-    # runs their kernels side by side under a CUDA MPS daemon of the run's own,
-    # "time-slice" leaves it to the driver; "auto": turns where the rollout shares a GPU
-    # with the learner at staleness >= 1, MPS where other services share one, time-slicing
-    # otherwise; the run log says which and why
+    # services sharing one GPU: "mps" runs their kernels side by side under a CUDA MPS
+    # daemon of the run's own, "turns" pauses generation while the learner trains a step
+    # (the engines keep their running samples and resume under the new weights),
+    # "time-slice" leaves it to the driver; "auto": MPS where services share a GPU at
+    # staleness >= 1 and the MPS tools are there, time-slicing otherwise; the run log says
+    # which and why
     gpu_sharing: Literal["auto", "turns", "mps", "time-slice"] = "auto"
 
     def validate(self) -> None:

@@ -1,10 +1,4 @@
-"""How services that share one GPU share it: turns, CUDA MPS or the driver's time-slicing.
-
-Where the rollout shares a GPU with the learner at staleness >= 1 they take turns
-explicitly (auto): the learner tells the engines to pause before it trains a step, and
-they resume, their running samples' KV caches kept, once that step's weights are applied;
-between steps the engine has the GPU alone and its batch stays full with the next
-released prompts, so no phase waits for the longest responses of a step.
+"""How services that share one GPU share it: CUDA MPS, turns, or the driver's time-slicing.
 
 Separate processes on one GPU take turns by default (time-slicing): a decode step waits
 for the learner's kernels and the reverse, and an asynchronous run is no faster than a
@@ -13,7 +7,9 @@ service's `services.ROLE.gpu_priority` (CUDA_MPS_CLIENT_PRIORITY; by default bel
 for all but the rollout) lets decode's small kernels take the SMs first, and its
 `gpu_share` caps its share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). The supervisor
 starts a control daemon of its own (its pipe and log directories in a private temporary
-directory) before the services and stops it after them.
+directory) before the services and stops it after them. With "turns" the learner instead
+pauses the engines while it trains a step; they resume, their running samples kept, once
+that step's weights are applied (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -38,10 +34,6 @@ SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # a client's share of the SMs, 
 SYNC_REASON = "staleness 0: generation and training take turns"
 # MPS was measured for decode beside training, not for two trainers
 NO_ROLLOUT_REASON = "no rollout among them: time-slicing"
-TURNS_REASON = (
-    "the rollout shares a GPU with the learner: generation pauses while a step trains and "
-    "resumes under its weights"
-)
 DEFAULT_PIPE = "/tmp/nvidia-mps"  # where a daemon started without CUDA_MPS_PIPE_DIRECTORY listens
 
 
@@ -60,17 +52,9 @@ def shared_gpus(config: PipelineConfig) -> dict[str, list[str]]:
 
 
 def takes_turns(config: PipelineConfig) -> bool:
-    """Whether the learner pauses the engines while it trains (`run.gpu_sharing` turns,
-    or auto where the rollout shares a GPU with the learner at staleness >= 1)."""
-    wanted = config.run.gpu_sharing
-    if wanted == "turns":
-        return True
-    return (
-        wanted == "auto"
-        and config.controller.max_staleness >= 1
-        and "rollout" in config.services
-        and config.shares_device("rollout", "learner")
-    )
+    """Whether the learner pauses the engines while it trains (`run.gpu_sharing` turns;
+    auto does not take it: it lost to MPS on the long-tail workload, docs/performance.md)."""
+    return config.run.gpu_sharing == "turns"
 
 
 @dataclass
@@ -136,9 +120,9 @@ def choose(
     environ: Mapping[str, str] = os.environ,
 ) -> GpuSharing:
     """What `run.gpu_sharing` means for this config on this host, before any daemon runs.
-    "mps" where it cannot be honoured is a ConfigError. "auto" takes turns where the rollout
-    shares a GPU with the learner at staleness >= 1, MPS where other services share a GPU
-    at staleness >= 1 and the MPS tools are there, time-slicing otherwise, with the reason. An MPS daemon that runs already is used, not started again: the services
+    "mps" where it cannot be honoured is a ConfigError. "auto" takes MPS where services
+    share a GPU at staleness >= 1 and the MPS tools are there, time-slicing otherwise, with
+    the reason. An MPS daemon that runs already is used, not started again: the services
     are its clients anyway."""
     wanted = config.run.gpu_sharing
     shared = shared_gpus(config)
@@ -152,8 +136,7 @@ def choose(
     if wanted == "time-slice":
         return GpuSharing("time-slice", "run.gpu_sharing = time-slice")
     if takes_turns(config):
-        why = "run.gpu_sharing = turns" if wanted == "turns" else TURNS_REASON
-        return GpuSharing("turns", why)
+        return GpuSharing("turns", "run.gpu_sharing = turns")
     if not shared:
         if wanted == "mps":
             raise ConfigError(

@@ -190,9 +190,12 @@ class LearnerWeights:
         the step about to train makes it)."""
         from pipeline.weights.wire import Pause
 
-        async with self._lock:
+        def send_all() -> None:
             for name in self.hub.names():
-                await asyncio.to_thread(self.hub.send, name, Pause(version=version))
+                self.hub.send(name, Pause(version=version))
+
+        async with self._lock:
+            await asyncio.to_thread(send_all)
 
     async def close(self) -> None:
         self._closing = True

@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# the CPU build of torch lies on this machine's disk; a plain `torch` would pull a CUDA build
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,17 +32,17 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m "slow and not gpu and not multigpu and not vllm" $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 
 bench-transport: $(STAMP)
-	$(BIN)/python -m pipeline.bench.transport --json bench/results/transport-cpu.json
+	$(BIN)/python -m bench.transport --json bench/results/transport-cpu.json
 
 bench-e2e: $(STAMP)
-	$(BIN)/python -m pipeline.bench.e2e --json bench/results/e2e-cpu.json
+	$(BIN)/python -m bench.e2e --json bench/results/e2e-cpu.json
 
 bench-weight-sync: $(STAMP)
-	$(BIN)/python -m pipeline.bench.weight_sync --json bench/results/weight_sync-cpu.json
+	$(BIN)/python -m bench.weight_sync --json bench/results/weight_sync-cpu.json
 
 bench: bench-transport bench-weight-sync bench-e2e
 
@@ -72,7 +72,7 @@ test-gpu: $(GPU_SITE)/.installed
 	PYTHONPATH=$(GPU_SITE):src $(GPU_PY) -m pytest -p no:cacheprovider -m "gpu or multigpu" $(ARGS)
 
 bench-gpu: $(GPU_SITE)/.installed
-	PYTHONPATH=$(GPU_SITE):src $(GPU_PY) -m pipeline.bench.all_gpu --out bench/results
+	PYTHONPATH=$(GPU_SITE):src $(GPU_PY) -m bench.all_gpu --out bench/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import codec
 from pipeline.errors import RecordingError
-from pipeline.messages import Prompt
-from pipeline.recording import MAGIC, QueueReader, QueueRecorder
+from pipeline.wire import codec
+from pipeline.wire.messages import Prompt
+from pipeline.wire.recording import MAGIC, QueueReader, QueueRecorder
 
 
 def _recording(path: Path, n: int = 4) -> list[int]:

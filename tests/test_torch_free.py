@@ -19,7 +19,7 @@ LIGHT = {
         "pipeline.data.loader",
         "pipeline.data.cursor",
         "pipeline.data.gsm8k",
-        "pipeline.data.toy_task",
+        "pipeline.tasks.toy_task",
         "pipeline.data.tokenizer",
     ],
     "launcher": [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.roles import ROLES
+from pipeline.wire.roles import ROLES
 
 
 def _parser() -> argparse.ArgumentParser:

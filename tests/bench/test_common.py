@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pipeline.bench.common import covered
-from pipeline.bench.e2e import _busy
+from bench.common import covered
+from bench.e2e import _busy
 
 
 def test_covered_counts_overlaps_once_and_ignores_empty_intervals():

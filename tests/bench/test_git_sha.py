@@ -8,8 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from pipeline.bench.common import git_sha
+from bench.common import git_sha
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench.common import KEYS
 
-from pipeline.bench import all_gpu
-from pipeline.bench.common import KEYS
+from bench import all_gpu
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PIPELINE_LOG_LEVEL": "warning"}
 
@@ -28,7 +28,7 @@ def run_bench(
     module: str, tmp_path: Path, *extra: str, env: dict[str, str] | None = None
 ) -> tuple[list[dict[str, Any]], list[str]]:
     out_file = tmp_path / f"{module}.json"
-    cmd = [sys.executable, "-m", f"pipeline.bench.{module}", "--shape", "tiny"]
+    cmd = [sys.executable, "-m", f"bench.{module}", "--shape", "tiny"]
     cmd += ["--device", "cpu", "--threads", "1", "--warmup", "1", "--json", str(out_file)]
     cmd += list(extra)
     done = subprocess.run(
@@ -194,8 +194,8 @@ def test_mfu_definition_reproduces_the_reference_figures() -> None:
     """BENCHMARKS.md's reference transformers steps on the 0.5B shape at 16 x 512 (eager
     83k tokens/s = 25.5 %, compiled 131k = 40.2 % of 989 TFLOP/s) are the causal-attention
     definition; weights only would give 24.9 % and 39.3 %."""
-    from pipeline.bench.learner_step import H200_BF16_PEAK, model_flops_per_token
-    from pipeline.bench.shapes import SHAPES
+    from bench.learner_step import H200_BF16_PEAK, model_flops_per_token
+    from bench.shapes import SHAPES
 
     per_token = model_flops_per_token(494_032_768, SHAPES["0.5b"], 512)
     for tokens_per_s, stated in ((83e3, 0.255), (131e3, 0.402)):
@@ -251,7 +251,7 @@ def test_cold_start_cpu(tmp_path: Path) -> None:
     """Two short real runs (an empty compile cache, then the one it filled): each service's
     ready before the first step, the first step before the tenth would be, no recompile."""
     out_file = tmp_path / "cold_start.json"
-    cmd = [sys.executable, "-m", "pipeline.bench.cold_start", "--device", "cpu", "--shape", ""]
+    cmd = [sys.executable, "-m", "bench.cold_start", "--device", "cpu", "--shape", ""]
     cmd += ["--profile", "profiles/local-cpu.toml", "--variants", "grpo", "--steps", "4"]
     cmd += ["--json", str(out_file), "--learner.trainer.compile", "true"]
     cmd += ["--learner.trainer.compile_backend", "aot_eager"]
@@ -268,11 +268,11 @@ def test_cold_start_cpu(tmp_path: Path) -> None:
 
 
 def test_warm_up_cpu(tmp_path: Path) -> None:
-    """pipeline.bench.warm_up on CPU (aot_eager): a cold and a warm child each build and warm
+    """bench.warm_up on CPU (aot_eager): a cold and a warm child each build and warm
     up the learner; the figures carry what the compile did, the warm one against the cold;
     the profiled child lists its most expensive functions."""
     out_file = tmp_path / "warm_up.json"
-    cmd = [sys.executable, "-m", "pipeline.bench.warm_up", "--device", "cpu", "--shape", "tiny"]
+    cmd = [sys.executable, "-m", "bench.warm_up", "--device", "cpu", "--shape", "tiny"]
     cmd += ["--profile", "profiles/local-cpu.toml", "--cprofile", "5", "--json", str(out_file)]
     cmd += ["--learner.trainer.compile", "true", "--learner.trainer.compile_backend", "aot_eager"]
     # a step of 16 samples (not 256) and one block compiled for all: the same cold and warm
@@ -296,7 +296,7 @@ def test_e2e_preset_cpu(tmp_path: Path) -> None:
     the critic's busy seconds, each pool's idle share, the bounds of the phases."""
     out_file = tmp_path / "e2e.json"
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "pipeline.bench.e2e", "--preset", "one-gpu", "--variant", "ppo"]
+    cmd = [sys.executable, "-m", "bench.e2e", "--preset", "one-gpu", "--variant", "ppo"]
     cmd += ["--device", "cpu", "--shape", "tiny", "--profile", "profiles/local-cpu-ppo.toml"]
     cmd += ["--steps", "4", "--skip", "1", "--staleness", "0", "--json", str(out_file)]
     cmd += ["--runs-dir", str(runs), "--rollout.max_new_tokens", "6"]
@@ -327,7 +327,8 @@ def test_e2e_preset_cpu(tmp_path: Path) -> None:
 
 
 def test_the_e2e_workload_prompts_have_62_tokens(tmp_path: Path) -> None:
-    from pipeline.bench.e2e_workload import ROWS, write_prompts
+    from bench.e2e_workload import ROWS, write_prompts
+
     from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
 
     save_char_tokenizer(tmp_path / "tok")
@@ -344,7 +345,7 @@ def test_sm_share_cpu(tmp_path: Path) -> None:
     the profile's own knobs; the JSON lines and the --json file agree. --trace checksums
     every op of the two computations (the compiled trunk's as one each)."""
     out_file = tmp_path / "sm_share.json"
-    cmd = [sys.executable, "-m", "pipeline.bench.sm_share", "--device", "cpu", "--trace"]
+    cmd = [sys.executable, "-m", "bench.sm_share", "--device", "cpu", "--trace"]
     cmd += ["--variant", "logprob_chunk_tokens=16", "--json", str(out_file)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=ENV)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -369,7 +370,7 @@ def test_sm_share_cpu(tmp_path: Path) -> None:
 def test_a_variant_may_set_an_inline_table() -> None:
     """--variant's commas split pairs, not an inline table's: a bisect of the compile
     options (triton.enable_pdl under an SM share) needs the whole table as one value."""
-    from pipeline.bench.learner_step import parse_variant
+    from bench.learner_step import parse_variant
 
     text = 'compile_options={ "triton.enable_pdl" = false, "a" = 1 },compile_mode=default'
     assert parse_variant(text) == {
@@ -385,8 +386,9 @@ def test_e2e_long_tail_preset_cpu(tmp_path: Path) -> None:
     """The long-tail workload at a tiny size: every prompt's samples run to its own budget
     (a capped lognormal), and each run reports its generated tokens/s, the decode batch,
     the dropped share of generated tokens and the older-version share of trained ones."""
-    from pipeline.bench.e2e_workload import long_tail_budgets
-    from pipeline.recording import QueueReader
+    from bench.e2e_workload import long_tail_budgets
+
+    from pipeline.wire.recording import QueueReader
 
     budgets = long_tail_budgets(4096, 40)
     assert min(budgets) >= 1 and max(budgets) == 40
@@ -394,7 +396,7 @@ def test_e2e_long_tail_preset_cpu(tmp_path: Path) -> None:
     assert 0.02 < sum(b == 40 for b in budgets) / len(budgets) < 0.07  # the capped tail
     out_file = tmp_path / "e2e.json"
     runs = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "pipeline.bench.e2e", "--preset", "one-gpu-long-tail"]
+    cmd = [sys.executable, "-m", "bench.e2e", "--preset", "one-gpu-long-tail"]
     cmd += ["--device", "cpu", "--shape", "tiny", "--profile", "profiles/local-cpu.toml"]
     cmd += ["--cap", "40", "--prompt-tokens", "16", "--steps", "5", "--skip", "1"]
     cmd += ["--json", str(out_file), "--runs-dir", str(runs)]

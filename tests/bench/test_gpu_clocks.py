@@ -9,8 +9,7 @@ import time
 import pynvml
 import pytest
 import torch
-
-from pipeline.bench.gpu_clocks import (
+from bench.gpu_clocks import (
     ClockSampler,
     Sample,
     _Nvml,
@@ -18,7 +17,7 @@ from pipeline.bench.gpu_clocks import (
     per_step,
     reason_names,
 )
-from pipeline.bench.learner_step import clock_figures
+from bench.learner_step import clock_figures
 
 
 def sample(t: float, mhz: int, watts: float = 500.0, reasons: int = 0) -> Sample:

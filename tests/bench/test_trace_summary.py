@@ -1,4 +1,4 @@
-"""`python -m pipeline.bench.trace_summary`: kernel time, idle gaps and kernel families of a
+"""`python -m bench.trace_summary`: kernel time, idle gaps and kernel families of a
 profiler trace, on a small synthetic Chrome trace written like torch.profiler's."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from pipeline.bench.trace_summary import (
+from bench.trace_summary import (
     family,
     launch_sites,
     load_events,

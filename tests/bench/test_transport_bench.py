@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.bench.common import KEYS
+from bench.common import KEYS
 
 FIGURES = [
     f"{kind}_{size}" for size in ("1KiB", "1MiB", "64MiB") for kind in ("msgs_per_s", "gbps")
@@ -20,7 +20,7 @@ FIGURES = [
 
 def test_transport_bench_prints_json_figures(tmp_path: Path) -> None:
     out_file = tmp_path / "transport.json"
-    cmd = [sys.executable, "-m", "pipeline.bench.transport", "--json", str(out_file)]
+    cmd = [sys.executable, "-m", "bench.transport", "--json", str(out_file)]
     cmd += ["--seconds", "0.05", "--warmup", "0.05", "--repeats", "1", "--min-msgs", "4"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

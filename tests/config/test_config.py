@@ -88,7 +88,7 @@ def test_resolved_config_is_written_to_the_run_dir(tmp_path):
 
 
 def test_learner_takes_the_samplers_temperature():
-    from pipeline.trainer_setup import policy_config
+    from pipeline.training.config import policy_config
 
     config = load_config(
         REPO / "profiles/local-cpu.toml", parse_override_args(["--rollout.temperature", "0.7"])
@@ -101,7 +101,7 @@ def test_learner_takes_the_samplers_temperature():
 
 
 def test_devices_follow_the_pools_and_decide_the_weight_transport():
-    from pipeline.weight_link import publish_config
+    from pipeline.weights.link import publish_config
 
     single = load_config("profiles/h200-single.toml")
     assert single.devices("rollout") == [0] and single.devices("learner") == [0]

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.data.toy_task import DATA_SOURCE, make_toy_dataset, toy_prompt, toy_reward
 from pipeline.rewards.registry import auto_reward, resolve
+from pipeline.tasks.toy_task import DATA_SOURCE, make_toy_dataset, toy_prompt, toy_reward
 
 
 def test_dataset_is_deterministic_and_well_formed():
@@ -63,8 +63,8 @@ def test_alphabet_restricts_the_digits():
 def test_warm_start_trains_in_place_on_copying(tmp_path):
     from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
     from pipeline.models import load_model
-    from pipeline.tiny_model import make_tiny_model
-    from pipeline.warm_start import warm_prompt, warm_start
+    from pipeline.tasks.tiny_model import make_tiny_model
+    from pipeline.tasks.warm_start import warm_prompt, warm_start
 
     assert warm_prompt("copy", "3917") == ("copy 3917 =", "3917")
     with pytest.raises(ValueError, match="warm-start task"):

@@ -58,7 +58,7 @@ def test_hub_port_matches_the_weight_link(tmp_path):
     import dataclasses
 
     from pipeline.deploy.plan import HUB_OFFSET
-    from pipeline.weight_link import hub_endpoint
+    from pipeline.weights.link import hub_endpoint
 
     plan = load_plan(REPO / "profiles" / "hetero-pools.toml")
     run = dataclasses.replace(plan.config.run, transport="tcp")

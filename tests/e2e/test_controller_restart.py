@@ -20,10 +20,10 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline.config import load_config
-from pipeline.messages import Hello, StepDone
 from pipeline.runtime import layout
-from pipeline.step_reports import StepReports
 from pipeline.transport import ControlClient, QueueClient, security
+from pipeline.wire.messages import Hello, StepDone
+from services.learner.step_reports import StepReports
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, PER_STEP, KILL_AT = 6, 4, 2

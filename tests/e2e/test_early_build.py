@@ -1,5 +1,5 @@
 """A trainer service whose model is a local directory builds and warms up its trainer
-while it waits for the controller's answer (pipeline.early_build), not after it."""
+while it waits for the controller's answer (pipeline.runtime.early_build), not after it."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _events(path: Path) -> list[dict]:
 
 
 def test_learner_warms_up_before_any_controller_answers(tmp_path):
-    from pipeline.bench.e2e import shape_model
+    from bench.e2e import shape_model
 
     model = tmp_path / "model"
     shape_model("tiny", model, "cpu")

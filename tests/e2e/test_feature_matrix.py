@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.recording import QueueReader
+from pipeline.wire.recording import QueueReader
 
 REPO = Path(__file__).resolve().parents[2]
 # short runs: 4 prompts x 4 samples a step, one reward replica, a short warm start
@@ -166,10 +166,11 @@ def _first_batch_loss(run: Run, **algorithm: Any) -> dict[str, float]:
     """The run's first learner step again, in this process, with the algorithm changed:
     the same initial weights and batch give the same metrics (replay is exact)."""
     from pipeline.config import config_from_json
-    from pipeline.samples import read_group
-    from pipeline.tasks import model_dir
-    from pipeline.trainer_setup import batch_from_groups, policy_config
+    from pipeline.tasks.prepare import model_dir
     from pipeline.training import PolicyTrainer
+    from pipeline.training.batch import ExperienceBatch
+    from pipeline.training.config import policy_config
+    from pipeline.wire.samples import read_group
 
     config = config_from_json((run.dir / "config.json").read_text())
     first = set()
@@ -181,7 +182,7 @@ def _first_batch_loss(run: Run, **algorithm: Any) -> dict[str, float]:
     groups = list({g.uid: g for g in groups}.values())  # a redelivery recorded twice
     alg = dataclasses.replace(config.algorithm, **algorithm)
     trainer = PolicyTrainer(str(model_dir(config, run.dir)), policy_config(config), alg)
-    return trainer.train_step(batch_from_groups(groups))
+    return trainer.train_step(ExperienceBatch.from_groups(groups))
 
 
 # ------------------------------------------------------------------------------ cases

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import zmq
 
-from pipeline import codec
 from pipeline.config import load_config
-from pipeline.messages import Credit, Hello, StepDone
 from pipeline.runtime import layout
-from pipeline.weight_link import hub_endpoint
+from pipeline.weights.link import hub_endpoint
+from pipeline.wire import codec
+from pipeline.wire.messages import Credit, Hello, StepDone
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from pipeline.data.gsm8k import write_gsm8k_fixture
-from pipeline.recording import QueueReader
+from pipeline.wire.recording import QueueReader
 
 REPO = Path(__file__).resolve().parents[2]
 

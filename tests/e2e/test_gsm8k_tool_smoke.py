@@ -20,9 +20,9 @@ from pipeline.data.gsm8k import convert_gsm8k, write_gsm8k_fixture
 from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
 from pipeline.envs.episode import EpisodeDriver
 from pipeline.envs.pool import EnvPool
-from pipeline.messages import Prompt, TensorRef
-from pipeline.recording import QueueReader
-from pipeline.samples import SampleArrays, read_group
+from pipeline.wire.messages import Prompt, TensorRef
+from pipeline.wire.recording import QueueReader
+from pipeline.wire.samples import SampleArrays, read_group
 from tests.e2e.cli_run import REPO, cli_run, log_events, step_records
 
 PROFILE = "profiles/local-cpu-gsm8k-tool.toml"

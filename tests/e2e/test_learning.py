@@ -43,7 +43,7 @@ def test_every_released_uid_is_trained_once_or_dropped(learning_run):
 
 
 def test_staleness_never_exceeds_the_bound_and_metrics_are_logged(learning_run):
-    from pipeline.recording import QueueReader
+    from pipeline.wire.recording import QueueReader
 
     steps = step_records(learning_run)
     # from what the learner was given and when the controller says it trained it, not from

@@ -13,8 +13,8 @@ import statistics
 from pathlib import Path
 
 import pytest
+from bench.e2e_workload import VARIANTS
 
-from pipeline.bench.e2e_workload import VARIANTS
 from tests.e2e.cli_run import cli_run, step_records
 
 # the critic-free variant of a KL-PPO profile (the e2e bench's GRPO preset)

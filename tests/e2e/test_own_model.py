@@ -95,7 +95,7 @@ def test_a_local_hf_model_and_converted_gsm8k_train_and_export_for_transformers(
     run = tmp_path / "runs" / "own"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 3
-    from pipeline.recording import QueueReader
+    from pipeline.wire.recording import QueueReader
 
     prompt = QueueReader(run / "queues/prompts.log").__iter__().__next__().decode().body
     assert prompt.prompt_text.startswith("<|im_start|>user\n")  # the chat template applied

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.recording import QueueReader
+from pipeline.wire.recording import QueueReader
 
 REPO = Path(__file__).resolve().parents[2]
 

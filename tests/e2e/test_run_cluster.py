@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import codec
-from pipeline.recording import QueueReader
+from pipeline.wire import codec
+from pipeline.wire.recording import QueueReader
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = [sys.executable, "-m", "pipeline.cli"]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.recording import QueueReader
-from pipeline.samples import GroupArrays, read_group
+from pipeline.wire.recording import QueueReader
+from pipeline.wire.samples import GroupArrays, read_group
 from tests.e2e.cli_run import REPO, assert_replay_matches, cli_run, log_events, step_records
 from tests.e2e.test_chaos import _children, _service_pid, _steps, _stop
 

@@ -25,7 +25,7 @@ def _policy_dir(path: Path) -> Path:
     default model's 16), next to the char tokenizer."""
     from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
     from pipeline.models import CausalLM, save_model
-    from pipeline.tiny_model import tiny_config
+    from pipeline.tasks.tiny_model import tiny_config
 
     save_char_tokenizer(path)
     config = tiny_config(len(load_tokenizer(path)), hidden=128).replace(
@@ -91,7 +91,7 @@ def test_the_last_steps_samples_come_from_trained_weights(vllm_run):
     likely to match the engine's log-probs, so the small mismatch is not the engine still
     serving version 0."""
     from pipeline.models import load_model
-    from pipeline.recording import QueueReader
+    from pipeline.wire.recording import QueueReader
 
     run, model_dir = vllm_run
     step_of = {}

@@ -10,9 +10,9 @@ import torch
 
 from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
 from pipeline.engines import TorchEngine, TorchEngineConfig
-from pipeline.messages import Prompt, TensorRef
 from pipeline.models import CausalLM
-from pipeline.rollout_worker import EngineRunner
+from pipeline.wire.messages import Prompt, TensorRef
+from services.rollout.runner import EngineRunner
 from tests.engines.helpers import TINY
 
 NEW = 48

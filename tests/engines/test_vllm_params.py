@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 
 from pipeline.engines.vllm_engine import checkpoint_params
 from pipeline.errors import MetadataRejected
-from pipeline.messages import WeightMeta
 from pipeline.models import ModelConfig, load_model, save_model
 from pipeline.weights.plan import BucketPlan, TensorSpec
 from pipeline.weights.validate import validate_meta
+from pipeline.wire.messages import WeightMeta
 
 from .helpers import TINY, make_model
 

@@ -24,9 +24,9 @@ from pipeline.engines import TorchEngine, TorchEngineConfig
 from pipeline.envs.episode import EpisodeDriver, stop_token_ids
 from pipeline.envs.pool import EnvPool
 from pipeline.errors import ConfigError
-from pipeline.messages import Prompt, TensorRef
 from pipeline.models import CausalLM
-from pipeline.rollout_worker import EngineRunner
+from pipeline.wire.messages import Prompt, TensorRef
+from services.rollout.runner import EngineRunner
 from tests.engines.helpers import TINY
 
 HIDDEN = 128

@@ -1,7 +1,7 @@
 """Random wire messages built from the struct definitions themselves.
 
 The builders walk `msgspec.inspect` type info, so a field or message type added to
-`pipeline.messages` is covered by the round-trip and fuzz tests without editing them. One
+`pipeline.wire.messages` is covered by the round-trip and fuzz tests without editing them. One
 builder serves both hypothesis (shrinkable draws) and seeded `random.Random` loops (fast
 enough for ten thousand fuzz inputs) through the small `Picker` interface.
 """
@@ -19,8 +19,8 @@ import msgspec.inspect as mi
 import numpy as np
 from hypothesis import strategies as st
 
-from pipeline.codec import ALLOWED_DTYPES, BF16, TensorPack
-from pipeline.messages import TensorRef
+from pipeline.wire.codec import ALLOWED_DTYPES, BF16, TensorPack
+from pipeline.wire.messages import TensorRef
 
 T = TypeVar("T")
 

@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msg_factories import INT_MAX, INT_MIN, RandomPicker, build_message, tensor_refs
 
-from pipeline.codec import Limits, Message, decode, encode
 from pipeline.errors import SchemaMismatch
-from pipeline.messages import MESSAGE_TYPES, QUEUE_TYPES, MsgType
+from pipeline.wire.codec import Limits, Message, decode, encode
+from pipeline.wire.messages import MESSAGE_TYPES, QUEUE_TYPES, MsgType
 
 # numpy warns while the codec multiplies an overflowing shape (the known bug counted below)
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

@@ -24,10 +24,12 @@ import zmq
 import zmq.asyncio
 from structlog.testing import capture_logs
 
-from pipeline.codec import Limits, TensorPack, _iter_refs, _ref_fields, decode, encode
 from pipeline.errors import SchemaMismatch
 from pipeline.log import get_logger
-from pipeline.messages import (
+from pipeline.transport import ChannelConfig, ControlClient, ControlServer, QueueClient, QueueServer
+from pipeline.transport.control import PeerEvent
+from pipeline.wire.codec import Limits, TensorPack, _iter_refs, _ref_fields, decode, encode
+from pipeline.wire.messages import (
     SCHEMA_VERSION,
     ConfigMsg,
     Credit,
@@ -41,9 +43,7 @@ from pipeline.messages import (
     Sample,
     TensorRef,
 )
-from pipeline.samples import TENSOR_FIELDS
-from pipeline.transport import ChannelConfig, ControlClient, ControlServer, QueueClient, QueueServer
-from pipeline.transport.control import PeerEvent
+from pipeline.wire.samples import TENSOR_FIELDS
 
 RUN = "run-1"
 PROMPTS = frozenset({MsgType.PROMPT})

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msg_factories import TENSOR_DTYPES, messages, random_tensor, tensor_refs
 
-from pipeline.codec import BF16, Message, TensorPack, decode, encode
-from pipeline.messages import MESSAGE_TYPES, SCHEMA_VERSION, MsgType, Prompt
+from pipeline.wire.codec import BF16, Message, TensorPack, decode, encode
+from pipeline.wire.messages import MESSAGE_TYPES, SCHEMA_VERSION, MsgType, Prompt
 
 TYPES = [MESSAGE_TYPES[t] for t in sorted(MESSAGE_TYPES)]
 SETTINGS = settings(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench.shapes import SHAPES
 
-from pipeline.bench.shapes import SHAPES
 from pipeline.models import CausalLM
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

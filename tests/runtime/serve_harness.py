@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import PipelineConfig, config_to_json
-from pipeline.messages import ConfigMsg, Hello
 from pipeline.runtime import layout
 from pipeline.transport import ControlServer, QueueServer
+from pipeline.wire.messages import ConfigMsg, Hello
 from tests.transport.test_queue_inprocess import prompt
 from tests.transport.test_queue_stall import STALL
 

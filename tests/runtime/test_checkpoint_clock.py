@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.checkpoint_clock import CheckpointClock
 from pipeline.config import load_config
+from pipeline.runtime.checkpoint_clock import CheckpointClock
 
 REPO = Path(__file__).resolve().parents[2]
 

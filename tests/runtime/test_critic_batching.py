@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pipeline.critic_worker import CriticWorker
 from pipeline.runtime.service import ServiceContext
-from pipeline.samples import read_group
-from services.critic import CriticService
+from pipeline.wire.samples import read_group
+from services.critic.service import CriticService
+from services.critic.worker import CriticWorker
 
 from ..training._helpers import save_tiny_model
 from .test_critic_update_overlap import _decoded, _message
@@ -105,7 +105,7 @@ def test_a_record_cut_short_is_read_up_to_its_last_whole_line(tmp_path: Path):
     """A critic killed while writing leaves half a line at the end: left out. A damaged line
     before the end is refused with its number."""
     from pipeline.errors import RecordingError
-    from services.critic import _recorded_batches
+    from services.critic.service import _recorded_batches
 
     path = tmp_path / "batches.jsonl"
     path.write_text('{"uids": ["p0"]}\n{"uids": ["p1", "p2"]}\n{"uids": ["p')
@@ -119,7 +119,7 @@ def test_a_record_cut_short_is_read_up_to_its_last_whole_line(tmp_path: Path):
 async def test_a_critic_restarted_after_a_kill_mid_write_appends_whole_lines(tmp_path: Path):
     """The critic before was killed while writing a batch line; the restarted one cuts that
     half line before it appends, so the record stays readable for a replay."""
-    from services.critic import _recorded_batches
+    from services.critic.service import _recorded_batches
 
     model = str(save_tiny_model(tmp_path / "model"))
     config = _critic_config(model, **{"critic.annotate_max_groups": "3"})

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pipeline import codec
-from pipeline.critic_worker import CriticWorker
-from pipeline.messages import Scored
 from pipeline.runtime.service import ServiceContext
-from pipeline.samples import read_group, write_group
-from services.critic import CriticService
+from pipeline.wire import codec
+from pipeline.wire.messages import Scored
+from pipeline.wire.samples import read_group, write_group
+from services.critic.service import CriticService
+from services.critic.worker import CriticWorker
 
 from ..training._helpers import save_tiny_model
 from .test_ranks import _critic_config, _groups

@@ -108,7 +108,7 @@ def test_a_resumed_controller_writes_the_metrics_its_predecessor_journaled_but_l
     """Killed between the journal and steps.jsonl: the next incarnation fills the gap."""
     from pipeline.config import PipelineConfig
     from pipeline.data.cursor import PromptCursor
-    from services.controller import Controller
+    from services.controller.service import Controller
 
     run_dir = tmp_path / "run"
     journal = Journal(run_dir / "controller" / "journal.jsonl")

@@ -19,11 +19,11 @@ import torch.multiprocessing as mp
 
 from pipeline.config import load_config
 from pipeline.errors import RankGroupBroken, RankMismatch, WeightSyncError
-from pipeline.messages import RankCommand, RankOp
 from pipeline.runtime import ranks
 from pipeline.runtime.service import Service, ServiceContext, context_command, follow
 from pipeline.runtime.supervisor import launcher_args
-from pipeline.samples import GroupArrays, SampleArrays
+from pipeline.wire.messages import RankCommand, RankOp
+from pipeline.wire.samples import GroupArrays, SampleArrays
 
 from ..training._helpers import free_port, save_tiny_model
 
@@ -316,8 +316,8 @@ def _annotations(groups: list[GroupArrays]) -> dict[str, np.ndarray]:
 
 
 def _critic_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    from pipeline.critic_worker import CriticWorker
-    from services.critic import CriticService
+    from services.critic.service import CriticService
+    from services.critic.worker import CriticWorker
 
     config = _critic_config(model_dir, **{"services.critic.fsdp_size": str(WORLD)})
     link = _join(rank, port, "critic", config)
@@ -352,7 +352,7 @@ def test_a_sharded_critic_annotates_like_one_process(tmp_path):
     empty), the shards summed back into the whole group; the third group comes after a
     sharded value update. Same values, advantages and returns as one process."""
     model_dir = str(save_tiny_model(tmp_path / "model"))
-    from pipeline.critic_worker import CriticWorker
+    from services.critic.worker import CriticWorker
 
     single = CriticWorker(
         SimpleNamespace(config=_critic_config(model_dir), run_dir=tmp_path, ranks=None)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.config.profile import load_config
-from pipeline.messages import StepDone
 from pipeline.transport.control import ControlServer
 from pipeline.transport.queue_server import QueueServer
-from services import controller as controller_module
-from services.controller import Controller
+from pipeline.wire.messages import StepDone
+from services.controller.service import Controller
+from services.controller.service import service as controller_module
 
 
 async def _wait_for(condition, seconds: float) -> None:

@@ -17,7 +17,7 @@ from pipeline.data.records import BadRowError
 from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
 from pipeline.errors import ConfigError
 from pipeline.runtime.journal import ReleasedPrompt, RunState
-from services.controller import Controller
+from services.controller.service import Controller
 from tests.runtime.budget_rows import budget_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def test_a_row_may_carry_its_budget_and_a_bad_one_names_the_row(tmp_path):
 
 
 def test_a_budget_above_the_runs_limit_is_refused_at_load(tmp_path):
-    from pipeline.tasks import prepare_task
+    from pipeline.tasks.prepare import prepare_task
 
     path = budget_rows(tmp_path / "data.jsonl", [4, 40])
     base = PipelineConfig()
@@ -85,7 +85,7 @@ def test_a_run_gives_each_prompt_its_budget_and_records_it(tmp_path):
     cmd[cmd.index("budgets")] = "budgets-ok"
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    from pipeline.recording import QueueReader
+    from pipeline.wire.recording import QueueReader
 
     want = {f"r{i}": b or 7 for i, b in enumerate([3, 6, None, 5] * 4)}
     seen = 0

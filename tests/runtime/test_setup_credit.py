@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipeline import codec
 from pipeline.config import load_config
-from pipeline.messages import Shutdown
 from pipeline.runtime.service import Output, Service, serve
+from pipeline.wire import codec
+from pipeline.wire.messages import Shutdown
 from tests.runtime.serve_harness import controller_side
 from tests.transport.loop_thread import LoopThread, wait_until
 from tests.transport.test_queue_stall import STALL

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from pipeline.samples import GroupArrays, SampleArrays, finished_age, staleness
+from pipeline.wire.samples import GroupArrays, SampleArrays, finished_age, staleness
 from tests.e2e.cli_run import cli_run
 from tests.runtime.budget_rows import budget_rows
 
@@ -55,7 +55,7 @@ def test_long_samples_that_span_updates_are_trained_not_dropped(tmp_path):
     )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["dropped"] == 0, summary
-    from pipeline.recording import QueueReader
+    from pipeline.wire.recording import QueueReader
 
     step_of = {}
     for line in (run / "schedule.jsonl").read_text().splitlines():

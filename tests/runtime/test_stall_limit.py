@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
-from services.controller import Controller
+from services.controller.service import Controller
 
 
 def controller(tmp_path: Path, step_s: float, first_s: float) -> Controller:

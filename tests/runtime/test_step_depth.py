@@ -12,7 +12,7 @@ from typing import Any
 from pipeline.config import load_config
 from pipeline.runtime.service import ServiceContext
 from pipeline.training.loss_terms import policy_loss_terms
-from services.learner import LearnerService
+from services.learner.service import LearnerService
 
 from ..training._helpers import save_tiny_model
 from .test_ranks import _groups
@@ -80,8 +80,8 @@ def test_the_critic_and_reference_import_nothing_of_the_learners_service_code():
     import subprocess
 
     code = (
-        "import sys, services.critic, services.reference, pipeline.critic_worker;"
-        "print([m for m in sys.modules if m in ('services.learner', 'pipeline.learner_worker')])"
+        "import sys, services.critic, services.reference, services.critic.worker;"
+        "print([m for m in sys.modules if m in ('services.learner', 'services.learner.worker')])"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True

@@ -8,11 +8,11 @@ import asyncio
 from pathlib import Path
 from typing import ClassVar
 
-from pipeline import codec
 from pipeline.config import load_config
-from pipeline.messages import Shutdown
 from pipeline.runtime.service import Output, Service, serve
 from pipeline.transport import QueueServer
+from pipeline.wire import codec
+from pipeline.wire.messages import Shutdown
 from tests.runtime.serve_harness import controller_side
 from tests.transport.loop_thread import LoopThread, wait_until
 

@@ -8,7 +8,7 @@ import os
 import signal
 from pathlib import Path
 
-from services.learner import LearnerService
+from services.learner.service import LearnerService
 from tests.standin import service_main
 
 ENV = "DIE_MARKER"

@@ -8,8 +8,8 @@ import asyncio
 import os
 from typing import Any
 
-from pipeline.learner_worker import TrainedStep
-from services.learner import LearnerService
+from services.learner.service import LearnerService
+from services.learner.worker import TrainedStep
 from tests.standin import service_main
 
 ENV = "HELD_LEARNER"

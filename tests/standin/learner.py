@@ -3,7 +3,7 @@ nothing (the run's plumbing alone)."""
 
 from __future__ import annotations
 
-from services.learner import LearnerService
+from services.learner.service import LearnerService
 from tests.standin import service_main
 
 

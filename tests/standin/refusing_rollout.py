@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from pipeline.rollout_worker import prompts_in_flight, start_engine
-from pipeline.weight_link import runner_receiver
-from services.rollout import RolloutService
+from pipeline.weights.link import runner_receiver
+from services.rollout.runner import prompts_in_flight, start_engine
+from services.rollout.service import RolloutService
 from tests.standin import service_main
 
 ENV = "REFUSING_ROLLOUT"

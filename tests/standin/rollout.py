@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.messages import Prompt
-from pipeline.samples import SampleArrays
-from services.rollout import RolloutService
+from pipeline.wire.messages import Prompt
+from pipeline.wire.samples import SampleArrays
+from services.rollout.service import RolloutService
 from tests.standin import service_main
 
 

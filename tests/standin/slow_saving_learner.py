@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from services.learner import LearnerService
+from services.learner.service import LearnerService
 from tests.standin import service_main
 
 ENV = "SLOW_SAVE_S"

@@ -102,7 +102,7 @@ def test_warm_up_batches_cover_micro_batches_that_fill_whole_buckets(model_dir):
     sequences all had one length and filled whole buckets (the uniform attention path,
     which the warm-up's batches never took). The run's own warm-up batches now do."""
     from pipeline.config import load_config
-    from pipeline.trainer_setup import warm_up_batches
+    from pipeline.training.warm_up import warm_up_batches
 
     config = load_config(
         "profiles/local-cpu.toml",

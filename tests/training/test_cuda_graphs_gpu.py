@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench.shapes import SHAPES
 
 from pipeline.algorithms import AlgorithmConfig
-from pipeline.bench.shapes import SHAPES
 from pipeline.models import CausalLM
 from pipeline.training import ExperienceBatch, PolicyTrainer, TrainerConfig
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pipeline.algorithms import AlgorithmConfig
-from pipeline.samples import GroupArrays, SampleArrays
-from pipeline.trainer_setup import batch_from_groups
 from pipeline.training import PolicyTrainer, TrainerConfig
+from pipeline.training.batch import ExperienceBatch
+from pipeline.wire.samples import GroupArrays, SampleArrays
 
 from ._helpers import save_tiny_model, state_of
 
@@ -144,7 +144,7 @@ def update(model_dir: Path, case: str, groups: list[GroupArrays]):
     algorithm, trainer, _ = CASES[case]
     config = trainer.replace(device="cpu", lr=1e-2, max_tokens_per_micro_batch=24)
     policy = PolicyTrainer(model_dir, config, algorithm)
-    metrics = policy.train_step(batch_from_groups(groups))
+    metrics = policy.train_step(ExperienceBatch.from_groups(groups))
     assert metrics["actor/skipped_updates"] == 0
     losses = {
         k: v
@@ -161,7 +161,7 @@ def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
 
 def test_the_loss_mask_becomes_the_response_mask() -> None:
     groups = episodes(("advantages",))
-    batch = batch_from_groups(groups)
+    batch = ExperienceBatch.from_groups(groups)
     samples = sorted((s for g in groups for s in g.samples), key=lambda s: s.uid)
     for i, s in enumerate(samples):
         n = len(s.response_ids)
@@ -226,7 +226,7 @@ def test_a_mini_batch_of_only_failed_episodes_trains(model_dir: Path, padding_fr
     config = TrainerConfig(device="cpu", mini_batches=3, padding_free=padding_free)
     trainer = PolicyTrainer(model_dir, config, AlgorithmConfig(advantage_estimator="grpo"))
     start = state_of(trainer.model)
-    metrics = trainer.train_step(batch_from_groups(groups))  # p9's samples sort last
+    metrics = trainer.train_step(ExperienceBatch.from_groups(groups))  # p9's samples sort last
     assert metrics["actor/skipped_updates"] == 0 and np.isfinite(metrics["actor/loss"])
     after = state_of(trainer.model)
     assert differing(start, after) and all(torch.isfinite(t).all() for t in after.values())

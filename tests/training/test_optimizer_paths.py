@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from bench.optimizer_paths import optimizer_paths
 
 from pipeline.algorithms import AlgorithmConfig
-from pipeline.bench.optimizer_paths import optimizer_paths
 from pipeline.training import PolicyTrainer, TrainerConfig
 
 from ._helpers import make_batch, save_tiny_model

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench.shapes import SHAPES
 
 from pipeline.algorithms import AlgorithmConfig
-from pipeline.bench.shapes import SHAPES
 from pipeline.models import CausalLM, chunked_token_logprobs
 from pipeline.training import PolicyTrainer, TrainerConfig
 

@@ -185,10 +185,12 @@ def test_the_learner_warm_up_of_the_h200_profile_captures_every_training_shape(t
     """The learner's warm-up as `pipeline run` does it, on the H200 profile's settings and
     step sizes (a small model): on an H200 the KL-PPO cold start's learner failed its second
     batch's first training capture (cudaErrorStreamCaptureImplicit) and crash-looped."""
-    from pipeline.bench.e2e import shape_model
+    from bench.e2e import shape_model
+
     from pipeline.config.profile import load_config, parse_override_args
-    from pipeline.trainer_setup import policy_config, warm_up_batches
     from pipeline.training import PolicyTrainer
+    from pipeline.training.config import policy_config
+    from pipeline.training.warm_up import warm_up_batches
 
     overrides = shape_model("tiny", tmp_path / "model", "cuda")
     config = load_config("profiles/h200-single.toml", parse_override_args(overrides))

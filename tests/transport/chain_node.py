@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 
-from pipeline.codec import TensorPack
-from pipeline.messages import Prompt, Rollout
-from pipeline.samples import GroupArrays, SampleArrays, read_group, write_group
 from pipeline.transport import ChannelConfig, QueueClient, QueueServer
 from pipeline.transport.channel import run_async
+from pipeline.wire.codec import TensorPack
+from pipeline.wire.messages import Prompt, Rollout
+from pipeline.wire.samples import GroupArrays, SampleArrays, read_group, write_group
 
 CFG = ChannelConfig(prefetch=4, max_pending=16, heartbeat_s=0.1, peer_timeout_s=1.0)
 RUN = "chain"

@@ -14,11 +14,11 @@ import asyncio
 
 import numpy as np
 
-from pipeline.codec import TensorPack
-from pipeline.messages import Prompt
 from pipeline.transport import QueueClient, QueueServer
 from pipeline.transport.channel import run_async
 from pipeline.transport.security import configure
+from pipeline.wire.codec import TensorPack
+from pipeline.wire.messages import Prompt
 
 
 async def produce(endpoint: str, n: int) -> None:

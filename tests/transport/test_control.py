@@ -9,9 +9,9 @@ import time
 import pytest
 
 from pipeline.errors import HandshakeTimeout, ServiceDeadError
-from pipeline.messages import ConfigMsg, Hello, StepDone
 from pipeline.transport import ChannelConfig, ControlClient, ControlServer
 from pipeline.transport.control import PeerEvent
+from pipeline.wire.messages import ConfigMsg, Hello, StepDone
 
 FAST = ChannelConfig(heartbeat_s=0.05, peer_timeout_s=0.4)
 
@@ -63,8 +63,8 @@ async def test_a_peer_declared_dead_while_busy_is_taken_back_when_it_speaks(ipc_
     import zmq
 
     from pipeline import codec
-    from pipeline.messages import Heartbeat
     from pipeline.transport.channel import make_async_socket
+    from pipeline.wire.messages import Heartbeat
 
     server = ControlServer(ipc_endpoint("ctl"), run_id="run1", config_for=answer, config=FAST)
     server.start()

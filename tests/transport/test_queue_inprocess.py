@@ -7,9 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from pipeline.codec import TensorPack
-from pipeline.messages import Prompt
 from pipeline.transport import ChannelConfig, QueueClient, QueueServer
+from pipeline.wire.codec import TensorPack
+from pipeline.wire.messages import Prompt
 
 FAST = ChannelConfig(prefetch=4, max_pending=8, heartbeat_s=0.05, peer_timeout_s=0.5)
 

@@ -6,12 +6,12 @@ import json
 import subprocess
 import sys
 
-from pipeline.bench.common import KEYS
+from bench.common import KEYS
 
 
 def test_bench_tiny_cpu_prints_json_figures(tmp_path):
     out_file = tmp_path / "weight_sync.json"
-    cmd = [sys.executable, "-m", "pipeline.bench.weight_sync", "--shape", "tiny"]
+    cmd = [sys.executable, "-m", "bench.weight_sync", "--shape", "tiny"]
     cmd += ["--device", "cpu", "--repeats", "1", "--json", str(out_file)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -33,7 +33,7 @@ def test_bench_tiny_cpu_prints_json_figures(tmp_path):
 
 
 def test_bench_with_a_tp2_replica_halves_the_bytes_each_engine_rank_receives():
-    cmd = [sys.executable, "-m", "pipeline.bench.weight_sync", "--shape", "tiny"]
+    cmd = [sys.executable, "-m", "bench.weight_sync", "--shape", "tiny"]
     cmd += ["--device", "cpu", "--repeats", "1", "--tp", "2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

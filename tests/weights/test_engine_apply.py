@@ -14,7 +14,6 @@ import torch
 from pipeline.engines import TorchEngine, TorchEngineConfig
 from pipeline.errors import WeightSyncError
 from pipeline.models import CausalLM
-from pipeline.rollout_worker import EngineRunner
 from pipeline.weights import (
     PublishConfig,
     SyncTimeouts,
@@ -22,6 +21,7 @@ from pipeline.weights import (
     WeightPublisher,
     WeightReceiver,
 )
+from services.rollout.runner import EngineRunner
 from tests.engines.helpers import tensor_bytes_held
 from tests.weights.wsync_common import TINY, free_port, wait_for
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from pipeline.errors import WeightSyncError
 from pipeline.weights.group import announce, check_one_rank_per_gpu, shared_gpus
-from pipeline.weights.wire import GroupAssign
+from pipeline.wire.weights import GroupAssign
 
 MEMBERS = ["learner-0", "engine-0", "engine-1.tp0", "engine-1.tp1"]
 

@@ -9,10 +9,8 @@ import pytest
 import torch
 import zmq
 
-from pipeline import codec
 from pipeline.engines.weights import SafePoint
 from pipeline.errors import WeightSyncError
-from pipeline.messages import Hello
 from pipeline.models import CausalLM
 from pipeline.weights import (
     PublishConfig,
@@ -22,6 +20,8 @@ from pipeline.weights import (
     WeightReceiver,
 )
 from pipeline.weights.validate import ParamSpec
+from pipeline.wire import codec
+from pipeline.wire.messages import Hello
 from tests.weights.wsync_common import (
     ROLLOUT_DTYPE,
     TINY,

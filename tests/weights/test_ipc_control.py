@@ -8,12 +8,12 @@ import time
 import pytest
 import zmq
 
-from pipeline import codec
 from pipeline.errors import WeightSyncError
-from pipeline.messages import Hello, WeightDone
 from pipeline.weights.cuda_ipc import IpcSender
 from pipeline.weights.hub import WeightHub
-from pipeline.weights.wire import BucketFree, wrap
+from pipeline.wire import codec
+from pipeline.wire.messages import Hello, WeightDone
+from pipeline.wire.weights import BucketFree, wrap
 from tests.weights.wsync_common import free_port
 
 

@@ -8,10 +8,10 @@ import time
 
 import zmq
 
-from pipeline.messages import Hello, WeightMeta
 from pipeline.weights import WeightHub
 from pipeline.weights.rounds import meta_round, parse_failure
-from pipeline.weights.wire import Link
+from pipeline.wire.messages import Hello, WeightMeta
+from pipeline.wire.weights import Link
 
 
 def test_an_engine_that_left_is_named_not_connected_without_waiting():

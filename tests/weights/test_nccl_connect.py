@@ -26,7 +26,7 @@ import sys, time
 import torch
 from pipeline.errors import WeightSyncError
 from pipeline.weights.group import WeightGroup, store_client
-from pipeline.weights.wire import GroupAssign
+from pipeline.wire.weights import GroupAssign
 
 port, rank, rendezvous_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 spec = GroupAssign(generation=1, rank=rank, world=2, senders=1, members=MEMBERS,

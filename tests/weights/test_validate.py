@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pipeline.errors import MetadataRejected
-from pipeline.messages import WeightMeta
 from pipeline.weights.plan import BucketPlan, TensorSpec
 from pipeline.weights.validate import ParamSpec, validate_meta
+from pipeline.wire.messages import WeightMeta
 from tests.weights.wsync_common import full_shapes, shard_specs
 
 BF16 = torch.bfloat16

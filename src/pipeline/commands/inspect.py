@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import RecordingError, SchemaMismatch
-from pipeline.recording import QueueReader
+from pipeline.wire.recording import QueueReader
 
 
 def _schedule(run_dir: Path) -> dict[str, int]:

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline import codec
 from pipeline.config import config_from_json
 from pipeline.errors import RecordingError, SchemaMismatch
 from pipeline.log import configure_logging
-from pipeline.recording import QueueReader, QueueRecorder, queue_path
 from pipeline.runtime import layout
 from pipeline.runtime.service import ServiceContext
+from pipeline.wire import codec
+from pipeline.wire.recording import QueueReader, QueueRecorder, queue_path
 
 
 def load_service_class(config: Any, role: str) -> Any:
@@ -35,7 +35,7 @@ async def replay(
     config = config_from_json((run_dir / "config.json").read_text())
     if not config.model.path:
         # the run made its model in its own directory: load that one, not a new one
-        from pipeline.tasks import model_dir
+        from pipeline.tasks.prepare import model_dir
 
         config = dataclasses.replace(
             config,

@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.errors import ConfigError, UnknownPool
-from pipeline.roles import QUEUES, ROLES, TRAINER_ROLES
 from pipeline.training.config import TrainerConfig
 from pipeline.transport.channel import ChannelConfig
+from pipeline.wire.roles import QUEUES, ROLES, TRAINER_ROLES
 
 # CUDA_MPS_CLIENT_PRIORITY of each services.ROLE.gpu_priority
 GPU_PRIORITIES = {"normal": 0, "below_normal": 1}
@@ -115,9 +115,6 @@ class PlacementConfig:
     # tensor-parallel ranks of one engine replica (rollout only): the built-in engine runs
     # tp processes under torchrun, one device each; vLLM gets tensor_parallel_size
     tp: int = 1
-    # under CUDA MPS (run.gpu_sharing), the percentage of the GPU's SMs this role's
-    # kernels may use (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 0: no limit
-    gpu_share: int = 0
     # under CUDA MPS, this role's scheduling priority among the GPU's clients
     # (CUDA_MPS_CLIENT_PRIORITY): "normal", "below_normal" (the others' kernels take the SMs
     # first), or "auto": normal for the rollout, below normal for every other role
@@ -138,9 +135,6 @@ class PlacementConfig:
         if self.tp < 1 or self.fsdp_size < 1:
             raise ConfigError("services.*.tp and fsdp_size must be >= 1")
         _require("services.*.first_device", self.first_device, self.first_device >= 0, ">= 0")
-        _require(
-            "services.*.gpu_share", self.gpu_share, 0 <= self.gpu_share <= 100, "between 0 and 100"
-        )
         _require(
             "services.*.gpu_priority",
             self.gpu_priority,

@@ -26,8 +26,8 @@ from pipeline.config.schema import EnvironmentConfig
 from pipeline.envs.pool import EnvFailure, EnvPool
 from pipeline.envs.types import Episode, StepResult, field_means
 from pipeline.errors import ConfigError
-from pipeline.messages import Prompt, TensorRef
-from pipeline.samples import SampleArrays
+from pipeline.wire.messages import Prompt, TensorRef
+from pipeline.wire.samples import SampleArrays
 
 
 @dataclass

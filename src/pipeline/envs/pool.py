@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pipeline.child_worker import ChildLost, ChildTimeout, ChildWorker, close_workers
 from pipeline.envs.types import EnvironmentNotFound, Episode, StepResult, field_means
-from pipeline.envs.wire import DECODER, ENCODER, EnvClose, EnvHello, EnvOpen, EnvReply, EnvStep
 from pipeline.errors import PipelineError
 from pipeline.log import get_logger
+from pipeline.runtime.child_worker import ChildLost, ChildTimeout, ChildWorker, close_workers
+from pipeline.wire.env import DECODER, ENCODER, EnvClose, EnvHello, EnvOpen, EnvReply, EnvStep
 
 FailureKind = Literal["error", "timeout", "lost"]
 

@@ -14,7 +14,7 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
 
 def resolve(spec: str) -> type[Any]:
     """The environment class `spec` names."""
-    from pipeline.user_code import load_attr
+    from pipeline.runtime.user_code import load_attr
 
     cls = load_attr(spec, "environment", EnvironmentNotFound, BUILTIN_ENVIRONMENTS)
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):

@@ -1,4 +1,4 @@
-"""The toy tool task's environment (`pipeline.data.toy_lookup`): a lookup tool called by `?`."""
+"""The toy tool task's environment (`pipeline.tasks.toy_lookup`): a lookup tool called by `?`."""
 
 from __future__ import annotations
 

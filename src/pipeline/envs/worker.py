@@ -16,9 +16,9 @@ import os
 import socket
 from typing import Any
 
-from pipeline.child_worker import describe, exit_when_orphaned, worker_socket
 from pipeline.envs.types import checked_result
-from pipeline.envs.wire import (
+from pipeline.runtime.child_worker import describe, exit_when_orphaned, worker_socket
+from pipeline.wire.env import (
     DECODER,
     ENCODER,
     EnvClose,
@@ -27,7 +27,7 @@ from pipeline.envs.wire import (
     EnvReply,
     EnvStep,
 )
-from pipeline.rewards.wire import MAX_FRAME_BYTES, recv_frame, send_frame
+from pipeline.wire.reward import MAX_FRAME_BYTES, recv_frame, send_frame
 
 
 def _call(loop: asyncio.AbstractEventLoop, method: Any, *args: Any) -> Any:

@@ -20,7 +20,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "gsm8k": "pipeline.rewards.gsm8k:reward_fn",
     "math": "pipeline.rewards.math_equiv:reward_fn",
     "format": "pipeline.rewards.format:reward_fn",
-    "toy_reverse": "pipeline.data.toy_task:reward_fn",
+    "toy_reverse": "pipeline.tasks.toy_task:reward_fn",
 }
 
 # Which built-in `auto` uses for a sample's `data_source` (verl's default_compute_score idea).
@@ -72,7 +72,7 @@ def auto_reward(
 
 def resolve(spec: str) -> RewardFn:
     """The reward function `spec` names (a built-in or a user `module:function`)."""
-    from pipeline.user_code import load_attr
+    from pipeline.runtime.user_code import load_attr
 
     fn = load_attr(spec, "reward", RewardNotFound, BUILTIN_REWARDS)
     if not callable(fn):

@@ -20,9 +20,6 @@ from typing import Any
 
 import msgspec
 
-from pipeline.child_worker import ChildLost as _WorkerLost
-from pipeline.child_worker import ChildTimeout as _WorkerTimeout
-from pipeline.child_worker import ChildWorker, close_workers, short
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.log import get_logger
 from pipeline.rewards.registry import RewardFn, RewardNotFound, is_builtin, resolve
@@ -33,7 +30,10 @@ from pipeline.rewards.types import (
     ScoreStatus,
     coerce_score,
 )
-from pipeline.rewards.wire import DECODER, ENCODER, WorkerHello, WorkerReply, WorkerRequest
+from pipeline.runtime.child_worker import ChildLost as _WorkerLost
+from pipeline.runtime.child_worker import ChildTimeout as _WorkerTimeout
+from pipeline.runtime.child_worker import ChildWorker, close_workers, short
+from pipeline.wire.reward import DECODER, ENCODER, WorkerHello, WorkerReply, WorkerRequest
 
 DEFAULT_KEY = "*"
 _log = get_logger("rewards.scorer")

@@ -11,10 +11,10 @@ import argparse
 import os
 import socket
 
-from pipeline.child_worker import describe, exit_when_orphaned, worker_socket
 from pipeline.rewards.registry import RewardFn, resolve
 from pipeline.rewards.types import coerce_score
-from pipeline.rewards.wire import (
+from pipeline.runtime.child_worker import describe, exit_when_orphaned, worker_socket
+from pipeline.wire.reward import (
     DECODER,
     ENCODER,
     WorkerHello,

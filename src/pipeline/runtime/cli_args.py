@@ -82,8 +82,8 @@ def _run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
     controller = args.controller or layout.controller_endpoint(config)
     early = None
     if link is None:  # one process: its model parts need nothing the controller sends
-        from pipeline.early_build import start_early_build
         from pipeline.log import bind_process, configure_logging
+        from pipeline.runtime.early_build import start_early_build
 
         configure_logging()
         bind_process(service=role, replica=args.replica)

@@ -4,8 +4,7 @@ Separate processes on one GPU take turns by default (time-slicing): a decode ste
 for the learner's kernels and the reverse, and an asynchronous run is no faster than a
 synchronous one. Under CUDA MPS their kernels run side by side on the GPU's SMs. Each
 service's `services.ROLE.gpu_priority` (CUDA_MPS_CLIENT_PRIORITY; by default below normal
-for all but the rollout) lets decode's small kernels take the SMs first, and its
-`gpu_share` caps its share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE). The supervisor
+for all but the rollout) lets decode's small kernels take the SMs first. The supervisor
 starts a control daemon of its own (its pipe and log directories in a private temporary
 directory) before the services and stops it after them. With "turns" the learner instead
 pauses the engines while it trains a step; they resume, their running samples kept, once
@@ -28,7 +27,6 @@ from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
-SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # a client's share of the SMs, in percent
 # why auto takes time-slicing at staleness 0: nothing runs beside generation then, and an
 # SM share would only slow the trainer down
 SYNC_REASON = "staleness 0: generation and training take turns"
@@ -63,7 +61,6 @@ class GpuSharing:
 
     mode: str
     reason: str
-    shares: dict[str, int] = field(default_factory=dict)  # role -> SM percentage
     priorities: dict[str, int] = field(default_factory=dict)  # role -> MPS client priority
     directory: str = ""  # the run's own daemon's
     running: str = ""  # the pipe directory of a daemon already running: the services use it
@@ -77,10 +74,6 @@ class GpuSharing:
         else:
             env["CUDA_MPS_PIPE_DIRECTORY"] = f"{self.directory}/pipe"
             env["CUDA_MPS_LOG_DIRECTORY"] = f"{self.directory}/log"
-        if self.shares.get(role):
-            env[SHARE_ENV] = str(self.shares[role])
-        else:
-            env.pop(SHARE_ENV, None)
         if self.priorities.get(role):
             env["CUDA_MPS_CLIENT_PRIORITY"] = str(self.priorities[role])
         else:
@@ -126,11 +119,6 @@ def choose(
     are its clients anyway."""
     wanted = config.run.gpu_sharing
     shared = shared_gpus(config)
-    shares = {
-        role: config.services[role].gpu_share
-        for role in config.services
-        if config.services[role].gpu_share
-    }
     sharing = {name.rpartition("-")[0] for name in _names(shared)}
     priorities = {role: p for role in sorted(sharing) if (p := client_priority(config, role))}
     if wanted == "time-slice":
@@ -148,8 +136,7 @@ def choose(
         return GpuSharing(
             "mps",
             f"shared GPUs: {gpus}; the MPS daemon at {running}",
-            shares,
-            priorities,
+            priorities=priorities,
             running=running,
         )
     if wanted == "auto" and config.controller.max_staleness == 0:
@@ -163,7 +150,7 @@ def choose(
                 "CUDA driver's MPS tools or set run.gpu_sharing = time-slice"
             )
         return GpuSharing("time-slice", f"{MPS_CONTROL} not found")
-    return GpuSharing("mps", f"shared GPUs: {gpus}", shares, priorities)
+    return GpuSharing("mps", f"shared GPUs: {gpus}", priorities)
 
 
 class MpsDaemon:

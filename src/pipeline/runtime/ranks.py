@@ -38,13 +38,13 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from pipeline import codec
 from pipeline.config import PipelineConfig
 from pipeline.config.schema import TRAINER_ROLES
 from pipeline.errors import ConfigError, RankGroupBroken, RankMismatch
 from pipeline.log import bind_process, configure_logging, get_logger
-from pipeline.messages import Experience, RankCommand, RankOp
-from pipeline.samples import GroupArrays, read_group, write_group
+from pipeline.wire import codec
+from pipeline.wire.messages import Experience, RankCommand, RankOp
+from pipeline.wire.samples import GroupArrays, read_group, write_group
 
 T = TypeVar("T")
 

@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipeline import codec
 from pipeline.config import PipelineConfig, config_from_json, config_to_json
 from pipeline.log import bind_process, configure_logging, get_logger
-from pipeline.messages import Hello, Metrics, RankCommand, RankOp
-from pipeline.recording import QueueRecorder, queue_path
 from pipeline.runtime import layout
 from pipeline.runtime.ranks import RankLink
 from pipeline.transport import ControlClient, Delivery, QueueClient, QueueServer
 from pipeline.transport.channel import cancel_and_wait
+from pipeline.wire import codec
+from pipeline.wire.messages import Hello, Metrics, RankCommand, RankOp
+from pipeline.wire.recording import QueueRecorder, queue_path
 
 Output = tuple[Any, codec.TensorPack | None]
 
@@ -54,7 +54,7 @@ class ServiceContext:
     # the command channel to the other ranks of a sharded service (on every rank); None
     # in a single process
     ranks: RankLink | None = None
-    # the model parts built during the handshake (pipeline.early_build), for setup to take
+    # the model parts built during the handshake (pipeline.runtime.early_build), for setup to take
     early: Any = None
 
 
@@ -77,7 +77,7 @@ class Service:
     # items processed concurrently by the default loop
     concurrency: ClassVar[int] = 4
     # builds the role's model parts from the local config while the service waits for the
-    # controller (pipeline.early_build); None: nothing to build early
+    # controller (pipeline.runtime.early_build); None: nothing to build early
     early_parts: ClassVar[Callable[[PipelineConfig], Any] | None] = None
 
     def __init__(self, ctx: ServiceContext) -> None:

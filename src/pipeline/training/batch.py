@@ -14,13 +14,16 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from pipeline.training.errors import BatchError
+
+if TYPE_CHECKING:
+    from pipeline.wire.samples import GroupArrays
 
 # per-token (n, R) fields that may be absent
 OPTIONAL_TOKEN_FIELDS = (
@@ -167,6 +170,32 @@ class ExperienceBatch:
             **extra,
         )
 
+    @classmethod
+    def from_groups(cls, groups: Sequence[GroupArrays]) -> ExperienceBatch:
+        """The samples of groups as one batch, in a fixed (uid) order, with every per-token
+        field that all samples carry."""
+        samples = sorted(((g, s) for g in groups for s in g.samples), key=lambda pair: pair[1].uid)
+        optional: dict[str, list[Any]] = {}
+        for name in OPTIONAL_TOKEN_FIELDS:
+            if samples and all(name in s.extra for _, s in samples):
+                optional[name] = [np.asarray(s.extra[name], np.float32) for _, s in samples]
+        mask = None
+        if any("loss_mask" in s.extra for _, s in samples):  # multi-turn: no loss on env tokens
+            mask = [
+                np.asarray(s.extra.get("loss_mask", np.ones(len(s.response_ids))), np.float32) > 0
+                for _, s in samples
+            ]
+        return cls.from_lists(
+            [np.asarray(g.prompt_ids, np.int64) for g, _ in samples],
+            [np.asarray(s.response_ids, np.int64) for _, s in samples],
+            [np.asarray(s.behaviour_logprobs, np.float32) for _, s in samples],
+            [float(s.score) for _, s in samples],
+            uids=[s.uid for _, s in samples],
+            token_versions=[np.asarray(s.token_versions, np.int64) for _, s in samples],
+            response_mask=mask,
+            **optional,
+        )
+
     @staticmethod
     def concat(batches: Sequence[ExperienceBatch]) -> ExperienceBatch:
         """One batch of all samples, in order; optional fields survive only if all have them."""
@@ -266,3 +295,19 @@ def group_ids_from_uids(uids: Sequence[str]) -> list[int]:
         int.from_bytes(hashlib.blake2b(u.rsplit("/", 1)[0].encode(), digest_size=8).digest()) >> 1
         for u in uids
     ]
+
+
+def group_stats(groups: list[GroupArrays]) -> dict[str, float]:
+    """Each stage's per-group measurements (`GroupArrays.stats`), averaged over groups; a
+    recompile count (`*/recompiles`, cumulative in its process) is the largest."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for group in groups:
+        for key, value in group.stats.items():
+            if key.endswith("/recompiles"):
+                sums[key] = max(sums.get(key, 0.0), float(value))
+                counts[key] = 1
+                continue
+            sums[key] = sums.get(key, 0.0) + float(value)
+            counts[key] = counts.get(key, 0) + 1
+    return {key: sums[key] / counts[key] for key in sums}

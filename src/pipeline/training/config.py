@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import torch
 
+    from pipeline.config import PipelineConfig
+
 from pipeline.errors import ConfigError
 
 Schedule = Literal["constant", "linear", "cosine"]
@@ -366,3 +368,22 @@ def _check_inductor_options(options: Mapping[str, Any]) -> None:
             raise ConfigError(
                 f"{_SECTION}.compile_options.{key} takes a {kind.__name__} (got {value!r})"
             )
+
+
+def policy_config(config: PipelineConfig) -> TrainerConfig:
+    """The learner's trainer settings, with the sampler's temperature (PPO ratios and the
+    mismatch metrics compare log-probs of the distribution the engine actually sampled;
+    greedy engines report temperature-1 log-probs) and a reference model only when the
+    reference is hosted in the learner."""
+    temperature = config.rollout.temperature or 1.0
+    return dataclasses.replace(
+        config.learner.trainer,
+        temperature=temperature,
+        keep_reference=config.reference_host() == "learner",
+    )
+
+
+def reference_config(config: PipelineConfig, device: str) -> TrainerConfig:
+    """The reference's forward: the policy's settings (same temperature, packing and
+    precision, so its log-probs compare with the learner's) on the host's device."""
+    return dataclasses.replace(policy_config(config), device=device, keep_reference=False)

@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from pipeline.codec import Limits
 from pipeline.errors import ConfigError
 from pipeline.transport.aiosock import AsyncSocket
 from pipeline.transport.security import secure_bind, secure_connect
+from pipeline.wire.codec import Limits
 
 T = TypeVar("T")
 

@@ -20,10 +20,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pipeline import codec
 from pipeline.errors import HandshakeTimeout, SchemaMismatch, ServiceDeadError
 from pipeline.log import get_logger
-from pipeline.messages import ConfigMsg, Heartbeat, Hello, MsgType, Ready, Shutdown
 from pipeline.transport.channel import (
     ChannelConfig,
     ChannelStats,
@@ -35,6 +33,8 @@ from pipeline.transport.channel import (
     make_async_socket,
     new_identity,
 )
+from pipeline.wire import codec
+from pipeline.wire.messages import ConfigMsg, Heartbeat, Hello, MsgType, Ready, Shutdown
 
 _TO_CONTROLLER = frozenset(
     {

@@ -20,10 +20,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pipeline import codec
 from pipeline.errors import SchemaMismatch, TransportClosed
 from pipeline.log import get_logger
-from pipeline.messages import QUEUE_TYPES, Ack, Credit, Heartbeat, MsgType
 from pipeline.transport.channel import (
     ChannelConfig,
     ChannelStats,
@@ -33,6 +31,8 @@ from pipeline.transport.channel import (
     make_async_socket,
     new_identity,
 )
+from pipeline.wire import codec
+from pipeline.wire.messages import QUEUE_TYPES, Ack, Credit, Heartbeat, MsgType
 
 
 @dataclass

@@ -22,10 +22,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pipeline import codec
 from pipeline.errors import SchemaMismatch, TransportClosed
 from pipeline.log import get_logger
-from pipeline.messages import Credit, Heartbeat, MsgType
 from pipeline.transport.channel import (
     ChannelConfig,
     ChannelStats,
@@ -35,6 +33,8 @@ from pipeline.transport.channel import (
     make_async_socket,
     new_identity,
 )
+from pipeline.wire import codec
+from pipeline.wire.messages import Credit, Heartbeat, MsgType
 
 _CONTROL_TYPES = frozenset({MsgType.CREDIT, MsgType.ACK, MsgType.HEARTBEAT})
 # consumers declared dead that are kept for their return; the oldest go first

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from pipeline.errors import ConfigError, WeightSyncError
 from pipeline.log import get_logger
 from pipeline.weights.config import GroupOptions
-from pipeline.weights.wire import GroupAssign
+from pipeline.wire.weights import GroupAssign
 
 log = get_logger("weights.group")
 # seconds torch polls a non-blocking NCCL init before it fails (read once per process)

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import zmq
 
 from pipeline.log import get_logger
-from pipeline.messages import Hello, Shutdown
 from pipeline.transport.channel import bind
 from pipeline.transport.security import release
 from pipeline.weights.group import StoreHost
-from pipeline.weights.wire import Dropped, Link, Received
+from pipeline.wire.messages import Hello, Shutdown
+from pipeline.wire.weights import Dropped, Link, Received
 
 log = get_logger("weights.hub")
 

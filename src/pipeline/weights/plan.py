@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.messages import WeightEntry
+from pipeline.wire.messages import WeightEntry
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -31,7 +31,6 @@ from torch import nn
 
 from pipeline.errors import ConfigError, WeightSyncError
 from pipeline.log import get_logger
-from pipeline.messages import WeightMeta
 from pipeline.weights.checksum import checksum
 from pipeline.weights.config import PublishConfig, resolve_transport
 from pipeline.weights.cuda_ipc import IpcSender, IpcSlots
@@ -42,7 +41,8 @@ from pipeline.weights.learner_comm import LearnerComm
 from pipeline.weights.plan import BucketPlan, TensorSpec
 from pipeline.weights.reshard import pack_shards, shard_plan
 from pipeline.weights.rounds import done_round, failure_text, meta_round, parse_failure
-from pipeline.weights.wire import GroupAssign, IpcBuffers
+from pipeline.wire.messages import WeightMeta
+from pipeline.wire.weights import GroupAssign, IpcBuffers
 
 log = get_logger("weights.publisher")
 

@@ -37,14 +37,14 @@ from torch import nn
 
 from pipeline.errors import MetadataRejected
 from pipeline.log import get_logger
-from pipeline.messages import Hello, Shutdown, WeightDone, WeightMeta
 from pipeline.transport.channel import connect, new_identity
 from pipeline.weights.config import GroupOptions, SyncTimeouts
 from pipeline.weights.cuda_ipc import open_handle
 from pipeline.weights.group import WeightGroup, store_client
 from pipeline.weights.staging import Staging, VerifyError
 from pipeline.weights.validate import Layout, ParamSpec, params_of, validate_meta
-from pipeline.weights.wire import (
+from pipeline.wire.messages import Hello, Shutdown, WeightDone, WeightMeta
+from pipeline.wire.weights import (
     BucketFree,
     BucketReady,
     Dropped,

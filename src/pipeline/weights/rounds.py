@@ -15,9 +15,9 @@ from collections.abc import Mapping
 
 import msgspec
 
-from pipeline.messages import Hello, WeightDone, WeightMeta
 from pipeline.weights.hub import WeightHub
-from pipeline.weights.wire import MetaAccepted, MetaRejected, Received, SyncGo
+from pipeline.wire.messages import Hello, WeightDone, WeightMeta
+from pipeline.wire.weights import MetaAccepted, MetaRejected, Received, SyncGo
 
 
 class Failure(msgspec.Struct):

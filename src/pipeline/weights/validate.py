@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.errors import ConfigError, MetadataRejected
-from pipeline.messages import WeightEntry, WeightMeta
 from pipeline.weights import tp
 from pipeline.weights.plan import Chunk, chunks_of, parse_dtype
+from pipeline.wire.messages import WeightEntry, WeightMeta
 
 TRANSPORTS = frozenset({"gloo", "nccl", "cuda_ipc"})
 KINDS = ("unknown", "missing", "duplicate", "shape", "dtype", "no_tp_rule", "layout", "transport")

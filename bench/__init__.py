@@ -1,0 +1,1 @@
+"""Benchmarks, one module per subsystem: `python -m bench.<name>`."""

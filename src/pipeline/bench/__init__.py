@@ -1,1 +1,0 @@
-"""Benchmarks, one module per subsystem: `python -m pipeline.bench.<name>`."""

@@ -1,0 +1,3 @@
+from services.controller.service import main
+
+raise SystemExit(main())

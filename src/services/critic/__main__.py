@@ -1,0 +1,3 @@
+from services.critic.service import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from services.learner.service import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from services.reference.service import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from services.reward.service import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from services.rollout.service import main
+
+raise SystemExit(main())

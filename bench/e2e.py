@@ -346,9 +346,8 @@ def gpu_sharing(run_dir: Path) -> str:
     text = f"{sharing['mode']} ({sharing['reason']})"
     if sharing["mode"] != "mps":
         return text
-    for key in ("shares", "priorities"):
-        if found := ",".join(f"{k}={v}" for k, v in sorted(sharing.get(key, {}).items())):
-            text += f" {key} {found}"
+    if found := ",".join(f"{k}={v}" for k, v in sorted(sharing["priorities"].items())):
+        text += f" priorities {found}"
     return text
 
 

@@ -22,6 +22,17 @@ LIGHT = {
         "pipeline.tasks.toy_task",
         "pipeline.data.tokenizer",
     ],
+    # every schema and codec: a light service decodes them too
+    "wire": [
+        "pipeline.wire.codec",
+        "pipeline.wire.messages",
+        "pipeline.wire.samples",
+        "pipeline.wire.recording",
+        "pipeline.wire.roles",
+        "pipeline.wire.weights",
+        "pipeline.wire.env",
+        "pipeline.wire.reward",
+    ],
     "launcher": [
         "pipeline.cli",
         "pipeline.commands.run",

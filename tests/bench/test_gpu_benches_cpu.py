@@ -339,34 +339,6 @@ def test_the_e2e_workload_prompts_have_62_tokens(tmp_path: Path) -> None:
     assert {len(tokenizer.encode(r["prompt"])) for r in rows} == {62}
 
 
-def test_sm_share_cpu(tmp_path: Path) -> None:
-    """The SM-share check on CPU (no MPS, so one share): each variant's learner built in a
-    child process, warmed up, its log-probs of one batch computed twice and compared with
-    the profile's own knobs; the JSON lines and the --json file agree. --trace checksums
-    every op of the two computations (the compiled trunk's as one each)."""
-    out_file = tmp_path / "sm_share.json"
-    cmd = [sys.executable, "-m", "bench.sm_share", "--device", "cpu", "--trace"]
-    cmd += ["--variant", "logprob_chunk_tokens=16", "--json", str(out_file)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert json.loads(out_file.read_text()) == rows
-    assert [(r["variant"], r["share"]) for r in rows] == [
-        ("(profile)", 100),
-        ("logprob_chunk_tokens=16", 100),
-    ]
-    for row in rows:
-        assert row["non_finite"] == 0
-        assert row["max_abs_diff"] == 0.0  # against itself at the one share
-        assert row["config"] == {"shape": "tiny", "batch": 4, "seq": 48}
-        assert row["trace"]["ops"] == row["trace"]["ops_again"] > 0
-        assert row["trace"]["first_non_finite"] is None
-        assert row["products"] == "ok"  # the services' start-up check of the products
-    assert rows[0]["vs_profile_max_abs_diff"] == 0.0
-    # another chunking of the output layer: the same log-probs up to float32 rounding
-    assert 0.0 <= rows[1]["vs_profile_max_abs_diff"] < 1e-3
-
-
 def test_a_variant_may_set_an_inline_table() -> None:
     """--variant's commas split pairs, not an inline table's: a bisect of the compile
     options (triton.enable_pdl under an SM share) needs the whole table as one value."""

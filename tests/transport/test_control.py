@@ -62,8 +62,8 @@ async def test_a_peer_declared_dead_while_busy_is_taken_back_when_it_speaks(ipc_
     """A service whose loop stalled past peer_timeout_s (a model load) is not lost for good."""
     import zmq
 
-    from pipeline import codec
     from pipeline.transport.channel import make_async_socket
+    from pipeline.wire import codec
     from pipeline.wire.messages import Heartbeat
 
     server = ControlServer(ipc_endpoint("ctl"), run_id="run1", config_for=answer, config=FAST)

@@ -9,11 +9,12 @@ import pytest
 import zmq
 
 from pipeline.errors import WeightSyncError
+from pipeline.weights.control import wrap
 from pipeline.weights.cuda_ipc import IpcSender
 from pipeline.weights.hub import WeightHub
 from pipeline.wire import codec
 from pipeline.wire.messages import Hello, WeightDone
-from pipeline.wire.weights import BucketFree, wrap
+from pipeline.wire.weights import BucketFree
 from tests.weights.wsync_common import free_port
 
 
@@ -42,13 +43,13 @@ def test_weight_done_arriving_while_waiting_for_slots_is_kept(hub):
     a, b = FakeEngine(hub, "a", 0), FakeEngine(hub, "b", 1)
     assert hub.wait_for_members(2, 5) == ["a", "b"]
     sender = IpcSender(hub, ["a", "b"], version=4, timeout_s=5)
-    a.send(wrap(BucketFree(version=4, bucket=0, slot=0), ""))
-    a.send(wrap(BucketFree(version=4, bucket=1, slot=1), ""))
+    a.send(wrap(BucketFree(version=4, bucket=0, slot=0)))
+    a.send(wrap(BucketFree(version=4, bucket=1, slot=1)))
     a.send(WeightDone(version=4, engine="a", ok=True))  # a is done before b freed anything
     time.sleep(0.1)
-    b.send(wrap(BucketFree(version=4, bucket=0, slot=0), ""))
+    b.send(wrap(BucketFree(version=4, bucket=0, slot=0)))
     sender.wait_free(0)
-    b.send(wrap(BucketFree(version=4, bucket=1, slot=1), ""))
+    b.send(wrap(BucketFree(version=4, bucket=1, slot=1)))
     sender.wait_free(1)
     b.send(WeightDone(version=4, engine="b", ok=True))
     done = []
@@ -62,7 +63,7 @@ def test_engine_failure_or_silence_while_waiting_for_a_slot_is_named(hub):
     a, b = FakeEngine(hub, "a", 0), FakeEngine(hub, "b", 1)
     hub.wait_for_members(2, 5)
     sender = IpcSender(hub, ["a", "b"], version=2, timeout_s=0.3)
-    a.send(wrap(BucketFree(version=2, bucket=0, slot=0), ""))
+    a.send(wrap(BucketFree(version=2, bucket=0, slot=0)))
     with pytest.raises(WeightSyncError) as info:
         sender.wait_free(0)
     assert info.value.phase == "buckets" and info.value.peer == "b"

@@ -9,9 +9,9 @@ import time
 import zmq
 
 from pipeline.weights import WeightHub
+from pipeline.weights.control import Link
 from pipeline.weights.rounds import meta_round, parse_failure
 from pipeline.wire.messages import Hello, WeightMeta
-from pipeline.wire.weights import Link
 
 
 def test_an_engine_that_left_is_named_not_connected_without_waiting():

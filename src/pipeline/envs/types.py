@@ -25,15 +25,9 @@ from typing import Any, ClassVar
 import msgspec
 
 from pipeline.errors import ConfigError
+from pipeline.wire.env import Episode
 
-
-class Episode(msgspec.Struct, frozen=True):
-    """What `reset` is told: the sample's uid and its prompt record."""
-
-    uid: str
-    prompt_text: str
-    ground_truth: str = ""
-    data_source: str = ""
+__all__ = ["Environment", "EnvironmentNotFound", "Episode", "StepResult"]
 
 
 class StepResult(msgspec.Struct):

@@ -261,7 +261,6 @@ class Supervisor:
             "gpu_sharing",
             mode=self.sharing.mode,
             reason=self.sharing.reason,
-            shares=self.sharing.shares,
             priorities=self.sharing.priorities,
         )
 
@@ -327,7 +326,6 @@ class Supervisor:
                         "gpu_sharing": {
                             "mode": self.sharing.mode,
                             "reason": self.sharing.reason,
-                            "shares": self.sharing.shares,
                             "priorities": self.sharing.priorities,
                         },
                     },

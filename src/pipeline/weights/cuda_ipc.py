@@ -17,10 +17,11 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from pipeline.errors import WeightSyncError
+from pipeline.weights.control import Received
 from pipeline.weights.hub import WeightHub
 from pipeline.weights.plan import dtype_name, parse_dtype
 from pipeline.wire.messages import Hello, WeightDone
-from pipeline.wire.weights import BucketFree, BucketReady, IpcHandle, Received
+from pipeline.wire.weights import BucketFree, BucketReady, IpcHandle
 
 
 def share(buffer: torch.Tensor) -> IpcHandle:

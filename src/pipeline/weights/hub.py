@@ -19,9 +19,10 @@ import zmq
 from pipeline.log import get_logger
 from pipeline.transport.channel import bind
 from pipeline.transport.security import release
+from pipeline.weights.control import Link, Received
 from pipeline.weights.group import StoreHost
 from pipeline.wire.messages import Hello, Shutdown
-from pipeline.wire.weights import Dropped, Link, Received
+from pipeline.wire.weights import Removed
 
 log = get_logger("weights.hub")
 
@@ -112,7 +113,7 @@ class WeightHub:
         if member is None:
             return
         self.changed = True
-        self.link.send(Dropped(reason=reason, rejoin=rejoin), member.identity)
+        self.link.send(Removed(reason=reason, rejoin=rejoin), member.identity)
         log.warning("engine_dropped", engine=name, reason=reason, rejoin=rejoin)
 
     def poll(self, timeout_s: float = 0.0) -> None:

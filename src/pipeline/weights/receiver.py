@@ -39,6 +39,7 @@ from pipeline.errors import MetadataRejected
 from pipeline.log import get_logger
 from pipeline.transport.channel import connect, new_identity
 from pipeline.weights.config import GroupOptions, SyncTimeouts
+from pipeline.weights.control import Link, Received
 from pipeline.weights.cuda_ipc import open_handle
 from pipeline.weights.group import WeightGroup, store_client
 from pipeline.weights.staging import Staging, VerifyError
@@ -47,14 +48,12 @@ from pipeline.wire.messages import Hello, Shutdown, WeightDone, WeightMeta
 from pipeline.wire.weights import (
     BucketFree,
     BucketReady,
-    Dropped,
     GroupAssign,
     IpcBuffers,
-    Link,
     MetaAccepted,
     MetaRejected,
     Pause,
-    Received,
+    Removed,
     SyncGo,
 )
 
@@ -72,7 +71,7 @@ OnPause = Callable[[int], None]
 
 
 class _Abort(Exception):
-    """The learner withdrew this engine mid-sync (Dropped)."""
+    """The learner withdrew this engine mid-sync (Removed)."""
 
 
 class WeightReceiver:
@@ -199,7 +198,7 @@ class WeightReceiver:
             self._join(ctl)
         elif isinstance(ctl, IpcBuffers):
             self._ipc_slots = [open_handle(h) for h in ctl.slots]
-        elif isinstance(ctl, Dropped):
+        elif isinstance(ctl, Removed):
             self._close_group()
             log.warning("weights_dropped", engine=self.name, reason=ctl.reason, rejoin=ctl.rejoin)
             if ctl.rejoin:
@@ -322,7 +321,7 @@ class WeightReceiver:
             if isinstance(rcv.control, SyncGo) and rcv.control.attempt == attempt:
                 return rcv.control
             self._requeued.append(rcv)  # anything else is handled after this sync
-            if isinstance(rcv.control, Dropped | GroupAssign) or isinstance(
+            if isinstance(rcv.control, Removed | GroupAssign) or isinstance(
                 rcv.message.body, WeightMeta
             ):
                 return None
@@ -391,7 +390,7 @@ class WeightReceiver:
             ctl = rcv.control
             if isinstance(ctl, BucketReady) and (ctl.version, ctl.bucket) == (version, bucket):
                 return ctl
-            if isinstance(ctl, Dropped | GroupAssign) or isinstance(rcv.message.body, WeightMeta):
+            if isinstance(ctl, Removed | GroupAssign) or isinstance(rcv.message.body, WeightMeta):
                 self._requeued.append(rcv)
                 raise _Abort("the learner moved on")
         raise TimeoutError(f"bucket {bucket} not ready within {self.timeouts.bucket_s:.1f}s")

@@ -15,23 +15,18 @@ from collections.abc import Mapping
 
 import msgspec
 
+from pipeline.weights.control import Received
 from pipeline.weights.hub import WeightHub
 from pipeline.wire.messages import Hello, WeightDone, WeightMeta
-from pipeline.wire.weights import MetaAccepted, MetaRejected, Received, SyncGo
-
-
-class Failure(msgspec.Struct):
-    phase: str
-    peer: str
-    detail: str
+from pipeline.wire.weights import MetaAccepted, MetaRejected, SyncFailure, SyncGo
 
 
 def failure_text(phase: str, peer: str, detail: str) -> str:
-    return msgspec.json.encode(Failure(phase, peer, detail)).decode()
+    return msgspec.json.encode(SyncFailure(phase, peer, detail)).decode()
 
 
-def parse_failure(text: str) -> Failure:
-    return msgspec.json.decode(text, type=Failure)
+def parse_failure(text: str) -> SyncFailure:
+    return msgspec.json.decode(text, type=SyncFailure)
 
 
 def meta_round(

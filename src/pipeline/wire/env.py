@@ -7,7 +7,14 @@ from typing import Any
 
 import msgspec
 
-from pipeline.envs.types import Episode
+
+class Episode(msgspec.Struct, frozen=True):
+    """What an environment's `reset` is told (it crosses to the environment worker): the sample's uid and its prompt record."""
+
+    uid: str
+    prompt_text: str
+    ground_truth: str = ""
+    data_source: str = ""
 
 
 class EnvHello(msgspec.Struct, tag="hello"):

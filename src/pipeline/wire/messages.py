@@ -14,6 +14,8 @@ from typing import ClassVar
 
 import msgspec
 
+from pipeline.wire.weights import Control
+
 SCHEMA_VERSION = 1
 
 
@@ -38,6 +40,7 @@ class MsgType(enum.IntEnum):
     # weights
     WEIGHT_META = 30
     WEIGHT_DONE = 31
+    WEIGHT_CONTROL = 32
 
 
 class _Wire(msgspec.Struct, array_like=True, kw_only=True, gc=False, omit_defaults=True):
@@ -282,6 +285,13 @@ class WeightDone(_Wire):
     error: str = ""
 
 
+class WeightControl(_Wire):
+    """Learner rank 0 <-> an engine rank: one of the weight sync's control structs."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WEIGHT_CONTROL
+    ctl: Control
+
+
 # ------------------------------------------------------------------ ranks of one service
 
 
@@ -333,6 +343,7 @@ MESSAGE_TYPES: dict[MsgType, type[_Wire]] = {
         Experience,
         WeightMeta,
         WeightDone,
+        WeightControl,
     )
 }
 

@@ -133,6 +133,8 @@ def _value(t: mi.Type, pick: Picker, pack: TensorPack, depth: int) -> Any:
         return pick.floating()
     if isinstance(t, mi.StrType):
         return pick.text()
+    if isinstance(t, mi.BytesType):
+        return pick.raw(pick.integer(0, 16))
     size = pick.integer(0, 3 if depth < 2 else 1)
     if isinstance(t, mi.ListType):
         return [_value(t.item_type, pick, pack, depth) for _ in range(size)]

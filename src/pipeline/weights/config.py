@@ -3,7 +3,7 @@
 Every phase has its own deadline because each one fails differently: a rendezvous waits for
 engines to show up, metadata waits for validation, a bucket waits on a collective, and the
 final ack waits for an engine's safe point. One global timeout would either be too short
-for applying a 7B update or far too long to notice a dead engine during a 10 ms bucket.
+for applying a 7B update or far too long to notice a dead engine during a short bucket.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def shared_gpus(keys: dict[int, str], members: list[str]) -> list[list[str]]:
 
 def check_one_rank_per_gpu(prefix: dist.Store, spec: GroupAssign) -> None:
     """NCCL takes one rank per GPU: with several on one GPU a member's connect can wait
-    without end (three engine ranks on one H200 and the learner on another did). Every
+    without end (three engine ranks on one GPU and the learner on another did). Every
     member reads the GPUs all members announced on arrival and raises the same error,
     naming those that share one, before connecting."""
     keys = {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,7 +228,3 @@ def decode(
     for ref in _iter_refs(body):
         _check_tensor(ref, frames, limits)
     return Message(header=header, body=body, frames=frames)
-
-
-class RejectCounter(Counter[str]):
-    """Counts rejected messages by reason (exported as metrics)."""

@@ -5,16 +5,10 @@ import operator
 import re
 
 import pytest
+from tests.gsm8k_fixture import gsm8k_fixture_rows, write_gsm8k_fixture
 
 from pipeline.data.formats import read_rows
-from pipeline.data.gsm8k import (
-    DATA_SOURCE,
-    INSTRUCTION,
-    answer_number,
-    gsm8k_fixture_rows,
-    gsm8k_to_rl,
-    write_gsm8k_fixture,
-)
+from pipeline.data.gsm8k import DATA_SOURCE, INSTRUCTION, answer_number, gsm8k_to_rl
 from pipeline.data.loader import load_prompts
 from pipeline.data.records import BadRowError
 from pipeline.rewards.gsm8k import compute_score

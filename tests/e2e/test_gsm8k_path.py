@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.data.gsm8k import write_gsm8k_fixture
 from pipeline.wire.recording import QueueReader
+from tests.gsm8k_fixture import write_gsm8k_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pipeline.config.schema import EnvironmentConfig
-from pipeline.data.gsm8k import convert_gsm8k, write_gsm8k_fixture
+from pipeline.data.gsm8k import convert_gsm8k
 from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
 from pipeline.envs.episode import EpisodeDriver
 from pipeline.envs.pool import EnvPool
@@ -24,6 +24,7 @@ from pipeline.wire.messages import Prompt, TensorRef
 from pipeline.wire.recording import QueueReader
 from pipeline.wire.samples import SampleArrays, read_group
 from tests.e2e.cli_run import REPO, cli_run, log_events, step_records
+from tests.gsm8k_fixture import write_gsm8k_fixture
 
 PROFILE = "profiles/local-cpu-gsm8k-tool.toml"
 TEST_SPLIT = REPO.parent / "shared/data/gsm8k/test.jsonl"

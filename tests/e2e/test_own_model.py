@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from pipeline.data.formats import write_rows
-from pipeline.data.gsm8k import gsm8k_fixture_rows
+from tests.gsm8k_fixture import gsm8k_fixture_rows
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = [sys.executable, "-m", "pipeline.cli"]

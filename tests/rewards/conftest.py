@@ -30,6 +30,6 @@ def user_rewards() -> Path:
 def stop_symbolic_checker():
     """The math verifier's symbolic check starts a worker process on first use; end it by pid."""
     yield
-    from pipeline.rewards.math_equiv import close_symbolic_checker
+    from pipeline.rewards import math_equiv
 
-    close_symbolic_checker()
+    math_equiv._CHECKER.close()

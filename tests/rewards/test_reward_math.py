@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from pipeline.rewards import math_equiv
 from pipeline.rewards.math_equiv import (
     SymbolicCheckError,
     _SymbolicChecker,
@@ -14,13 +15,23 @@ from pipeline.rewards.math_equiv import (
     last_boxed,
     normalize_math_answer,
     reward_fn,
-    symbolic_checker_pid,
 )
 from pipeline.rewards.scorer import RewardScorer
 from pipeline.rewards.types import ScoreItem
 
 # sympy evaluates this tower of powers for as long as it is allowed to
 TOWER = r"2^{2^{2^{2^{2^{10}}}}}"
+
+
+def _worker_pid(checker: _SymbolicChecker) -> int | None:
+    """The checker's worker pid, None before first use; it changes when a worker is replaced."""
+    worker = checker._worker
+    return None if worker is None else worker.pid
+
+
+def symbolic_checker_pid() -> int | None:
+    """Pid of the shared symbolic checker's worker process, None while none runs."""
+    return _worker_pid(math_equiv._CHECKER)
 
 
 @pytest.mark.parametrize(
@@ -167,6 +178,6 @@ def test_a_missing_symbolic_library_is_a_typed_error():
     try:
         with pytest.raises(SymbolicCheckError, match="pip install -e"):
             checker.equal("x", "y", 1.0)
-        assert checker.pid is None
+        assert _worker_pid(checker) is None
     finally:
         checker.close()

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_FRAMES = 7
 
 
-async def test_a_train_step_reaches_the_policy_loss_within_seven_frames(tmp_path):
+async def test_a_train_step_reaches_the_policy_loss_within_seven_frames(tmp_path, monkeypatch):
     model_dir = save_tiny_model(tmp_path / "model")
     config = load_config(
         str(REPO / "profiles/local-cpu.toml"),
@@ -32,6 +32,8 @@ async def test_a_train_step_reaches_the_policy_loss_within_seven_frames(tmp_path
     )
     service = LearnerService(ctx)
     await service.setup()
+    # one process: no follower ranks, so the step's groups are not encoded for them
+    monkeypatch.setattr("services.learner.service.encode_groups", _no_followers)
     task = asyncio.current_task()
     assert task is not None
     seen: list[list[str]] = []
@@ -70,6 +72,10 @@ async def test_a_train_step_reaches_the_policy_loss_within_seven_frames(tmp_path
     # the thread's bootstrap frames (threading.py, the pool's worker loop) are no part of it
     path = [f for f in path if not f.startswith(("threading.py", "thread.py:_worker"))]
     assert len(path) <= MAX_FRAMES, path
+
+
+def _no_followers(groups: Any) -> Any:
+    raise AssertionError("groups encoded for follower ranks that do not exist")
 
 
 def _this() -> str:

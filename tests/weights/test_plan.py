@@ -54,11 +54,6 @@ def test_one_bucket_by_default_and_split_only_when_larger_than_a_bucket():
     assert "lm_head.weight" in split and "model.norm.weight" not in split
 
 
-def test_tensor_larger_than_bucket_refused_when_splitting_is_off():
-    with pytest.raises(ConfigError, match=r"model\.embed_tokens\.weight.*bucket_bytes=2048"):
-        BucketPlan.build(_specs(), bucket_bytes=2048, split_large=False)
-
-
 def test_duplicate_names_refused():
     spec = TensorSpec("a", (2,), BF16)
     with pytest.raises(ConfigError, match="duplicate"):

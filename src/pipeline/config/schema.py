@@ -95,7 +95,7 @@ class PoolConfig:
     kind: Literal["cpu", "cuda"] = "cpu"
     # the GPU indices of a cuda pool (CUDA_VISIBLE_DEVICES of its replicas)
     devices: list[int] = field(default_factory=list)
-    # free-form label, e.g. "H200" or "L40S", for the report
+    # free-form label of the device model, for the report
     device_name: str = ""
 
 

@@ -22,7 +22,7 @@ _log = get_logger("data.loader")
 class ChatTemplater(Protocol):
     """What the loader needs from a tokenizer (a transformers tokenizer satisfies it)."""
 
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, _conversation: Any, /, **kwargs: Any) -> Any: ...
 
 
 def _messages(prompt: list[Any], fail: Callable[[str], NoReturn]) -> list[dict[str, str]]:

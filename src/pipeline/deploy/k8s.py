@@ -46,6 +46,7 @@ class _ManifestDumper(yaml.SafeDumper):
     Kubernetes documentation writes manifests."""
 
     def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        del indentless  # PyYAML passes it by name; a list is indented under its key anyway
         super().increase_indent(flow, False)
 
     def choose_scalar_style(self) -> str:

@@ -232,7 +232,7 @@ def cudnn_rows_supported(device: torch.device, dtype: torch.dtype, head_dim: int
     """Whether cuDNN's fused attention serves `rows_causal` on `device` in `dtype` for heads
     of `head_dim`: CUDA half precision with cuDNN SDPA enabled, checked once per key,
     forward and backward with grouped k/v heads, against SDPA's math kernel (torch 2.11's
-    ragged cuDNN backward returned wrong dq/dk in a probe on an H200, so a capability flag
+    ragged cuDNN backward returned wrong dq/dk in a probe, so a capability flag
     alone is not trusted). Call it outside torch.compile."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -353,8 +353,8 @@ def varlen_grouped(device: torch.device) -> bool:
     group heads but whose wrapper has no flag) when a probe, forward and backward, matches
     repeated heads. Call it outside torch.compile. Repeating costs a copy of k and v per
     layer and a group sum in the backward, which inductor fused into the RoPE backward:
-    2.6 ms a step on the 0.5B shape on an H200, against 1.0 ms for that kernel plus 0.6 ms
-    of group sums inside the flash backward when grouped (kernel traces of learner_step)."""
+    slower than that kernel plus the group sums inside the flash backward when grouped
+    (kernel traces of learner_step: docs/performance.md)."""
     if _varlen_options()[1]:
         return True
     from torch.nn.attention.varlen import varlen_attn

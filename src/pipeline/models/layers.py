@@ -132,7 +132,7 @@ class AdjacentRows(torch.autograd.Function):
     """[a; b] as a view of their shared storage where `rows_follow(a, b)`; the gradient
     splits back into views. The caller checks that once (`check_adjacent` of SwiGLU and
     Attention): it is not traceable, so here it is checked only when running eagerly.
-    (Two operands: dynamo traced a variadic forward wrongly on a recompile, H200.)"""
+    (Two operands: dynamo traced a variadic forward wrongly on a recompile.)"""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

@@ -4,18 +4,17 @@ A pre-norm block adds each sublayer's output to the residual stream and normalis
 for the next sublayer. Compiled by inductor, the forward of that pair is one kernel at
 bandwidth, but its backward is three: by default (inductor's "mix-order reduction") one
 Triton kernel for the input gradient with the residual gradient added and 512 partial rows
-of the weight's gradient (~24 us per norm of a 0.5B learner step on an H200), then an ATen
-sum of those rows (~11.5 us) and a cast (~1 us), 49 times a step; with that reduction off
-(`trainer.compile_options`, as the H200 profile sets it) the weight's gradient is two
-Triton reductions of their own. Here:
+of the weight's gradient, then an ATen sum of those rows and a cast, for every norm of a
+step; with that reduction off (`trainer.compile_options`, as the single-GPU profile sets
+it) the weight's gradient is two Triton reductions of their own. Here:
 
   forward   s = x + delta (the residual stream, rounded to the compute dtype) and
             y = weight * round(s * rstd), rstd = 1 / sqrt(mean(s^2) + eps) in float32;
   backward  one persistent program per group of rows writes d s = d s_in + d(norm)/d s
             (the gradient of x and of delta alike), ROWS rows a step, and keeps its rows'
             share of d weight = sum(dy * round(s * rstd)) in registers; a second kernel
-            sums the programs' shares and rounds the total to the weight's dtype (ATen's
-            sum of 1024 partial rows and its cast took ~10 us a norm, 49 norms a step).
+            sums the programs' shares and rounds the total to the weight's dtype (in place
+            of ATen's sum of 1024 partial rows and its cast: one launch fewer a norm).
 
 The rounding follows `layers.RMSNorm` (normalise in float32, round, then multiply by the
 weight in the compute dtype). Where Triton cannot run (CPU builds, float32) the same formula
@@ -38,7 +37,7 @@ except ImportError:  # CPU installs: the torch formula serves
 
 # backward: programs (each keeps a partial weight gradient), rows per step of each, warps;
 # then the partial weight gradients' sum: columns per program, partial rows per step (the
-# fastest tiling measured on an H200: docs/performance.md)
+# fastest tiling measured: docs/performance.md)
 ROW_PROGRAMS = 264
 ROWS = 8
 BACKWARD_WARPS = 4

@@ -1,9 +1,9 @@
 """RoPE on the fused q/k/v projection output in one pass each way (Triton), as a custom op.
 
 The trunk computes q, k, v with one GEMM (T, (heads + 2 kv_heads) * head_dim), splits it and
-rotates q and k. Compiled by inductor, the rotation's forward and backward ran at ~1-2 TB/s
-on an H200 (the split, `rotate_half`'s concatenation and its backward became strided
-gathers): ~2.3 ms of a 0.5B learner step for a few MB per layer. Here one program takes a
+rotates q and k. Compiled by inductor, the rotation's forward and backward ran well below
+the memory bandwidth (the split, `rotate_half`'s concatenation and its backward became
+strided gathers), a large cost for a few MB per layer. Here one program takes a
 block of tokens and rotates all their q and k heads as one tile:
 
   forward   q, k rotated and v copied out of the projection output, each contiguous

@@ -2,10 +2,10 @@
 
 Training ran the gated MLP's gate and up projections as two GEMMs, so that inductor's
 pointwise SwiGLU read and wrote contiguous tensors: with one concatenated weight its compiled
-backward wrote d(gate | up) through the split's strided view at ~2.5 instead of ~4.4 TB/s
-(H200). Here one GEMM produces gu = x @ [W_gate; W_up]^T, (T, 2 I), and one program takes
-BLOCK consecutive elements of h (row-major over T x I; 155 us for both passes over the 0.5B
-shape's 8192 x 4864 on an H200, against 163 us for 2-D tiles of 16 x 256 or 4 x 1024):
+backward wrote d(gate | up) through the split's strided view well below the bandwidth of a
+contiguous write. Here one GEMM produces gu = x @ [W_gate; W_up]^T, (T, 2 I), and one
+program takes BLOCK consecutive elements of h (row-major over T x I; faster than 2-D tiles
+in a measurement: docs/performance.md):
 
   forward   h = silu(g) * u with g = gu[:, :I], u = gu[:, I:], (T, I);
   backward  d gu = [dh * u * s * (1 + g (1 - s)), dh * silu(g)], s = sigmoid(g), written

@@ -4,8 +4,8 @@ With tied embeddings (Qwen2.5-0.5B: a 152k x 896 table) the table gets two gradi
 output layer's d(W) (dense, from its GEMM) and the embedding's, which is non-zero only in
 the rows of the micro-batch's tokens. Left to autograd, the embedding's backward writes a
 dense table (zeros, a scatter of the token rows, a cast: inductor's three kernels) and
-autograd adds the two tables: ~0.5 ms of an H200's 0.5B learner step for 8k tokens, all of
-it memory traffic over 272 MB tables.
+autograd adds the two tables: all of it memory traffic over full tables (272 MB) for a
+few thousand token rows.
 
 Here the output layer's function (models/logprobs.py) puts its d(W) in a `TiedGrad` slot
 created for that forward instead of handing it to autograd, and the embedding's backward,

@@ -271,12 +271,6 @@ class _SymbolicChecker:
         self._worker: Any = None
         self._owner_pid = 0
 
-    @property
-    def pid(self) -> int | None:
-        """The worker's pid, None before first use; it changes when a worker is replaced."""
-        worker = self._worker
-        return worker.pid if worker is not None and self._owner_pid == os.getpid() else None
-
     def equal(self, answer: str, reference: str, timeout_s: float) -> bool:
         from pipeline.rewards.scorer import _Worker, _WorkerLost, _WorkerTimeout
         from pipeline.rewards.types import ScoreItem
@@ -340,16 +334,6 @@ def _logger() -> Any:
 
 _CHECKER = _SymbolicChecker()
 atexit.register(_CHECKER.close)
-
-
-def close_symbolic_checker() -> None:
-    """Stop the symbolic checker's worker process now (it starts again when needed)."""
-    _CHECKER.close()
-
-
-def symbolic_checker_pid() -> int | None:
-    """Pid of the symbolic checker's worker process, None while none runs."""
-    return _CHECKER.pid
 
 
 def compute_score(

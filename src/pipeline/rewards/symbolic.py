@@ -40,5 +40,5 @@ def equal(
     return float(bool(reference and answer) and verify(reference, answer, timeout_seconds=None))
 
 
-# The first parse builds the LaTeX grammar (~0.3 s); do it at load, outside any sample's limit.
+# The first parse builds the LaTeX grammar (slow); do it at load, outside any sample's limit.
 _parse("1")

@@ -119,7 +119,8 @@ def compile_caches(config: PipelineConfig, *, on_gpu: bool = False) -> None:
     """Point torch.compile's caches at `run.compile_cache_dir` (before anything compiles),
     unless the environment already says where they go. On a GPU, the few CPU kernels of a
     compiled graph are not vectorised: inductor would otherwise probe every CPU ISA in
-    each process by building and loading a test library (~40 s of an H200 host's start)."""
+    each process by building and loading a test library (a large part of a GPU host's
+    start)."""
     if on_gpu:
         os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
     root = config.run.compile_cache_dir

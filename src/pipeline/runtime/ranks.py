@@ -265,6 +265,11 @@ class TrainerThread:
         self.ranks = ranks if ranks is not None and ranks.is_leader else None
         self._one = asyncio.Lock()
 
+    @property
+    def has_followers(self) -> bool:
+        """Whether calls send a command to other ranks: build one only then."""
+        return self.ranks is not None
+
     async def run(
         self,
         fn: Callable[..., T],

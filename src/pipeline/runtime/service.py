@@ -382,7 +382,7 @@ def follow(service_cls: type[Service], *, ranks: RankLink, replica: int, grace_s
 
     terminated: list[float] = []
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(_signum: int, frame: Any) -> None:
         terminated.append(time.monotonic())
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -272,7 +272,7 @@ class Supervisor:
         previous = signal.getsignal(signal.SIGINT)
         interrupted = False
 
-        def on_sigint(signum: int, frame: Any) -> None:
+        def on_sigint(_signum: int, frame: Any) -> None:
             nonlocal interrupted
             interrupted = True
 

@@ -167,7 +167,7 @@ class TrainerConfig:
     packed_mlp: bool = False
     # a packed micro-batch whose sequences all have one length (no padding) attends as a
     # (sequences, length) causal batch: cuDNN's fused attention on CUDA (its forward and
-    # backward 1.5x faster than flash varlen on the 0.5B shape on an H200), SDPA elsewhere.
+    # backward faster than flash varlen's: docs/performance.md), SDPA elsewhere.
     # Mixed lengths always take the varlen kernel (torch 2.11's ragged cuDNN backward gave
     # wrong gradients in a probe)
     uniform_attention: bool = True

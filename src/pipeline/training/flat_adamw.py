@@ -1,7 +1,7 @@
 """AdamW over flat buffers: one kernel for every parameter of a single process.
 
 torch's fused AdamW walks the ~290 tensors of a 0.5B model in many launches of a few hundred
-blocks each and reached ~2.9 TB/s on an H200 (4.7 ms a step). Here the float32 masters,
+blocks each, short of the memory bandwidth. Here the float32 masters,
 their gradient accumulators (both set up flat by `ComputeWeights(flat=True)`) and Adam's two
 moments are views of four flat buffers, and one Triton kernel streams them once: 28 bytes
 per parameter (24 with the first moment in bfloat16: `trainer.exp_avg_dtype`, computed in
@@ -13,12 +13,12 @@ When an update has a single micro-batch, its bf16 gradients are not copied into 
 float32 accumulators at all (`ComputeWeights(defer=True)` leaves them pending): `GradTable`
 points a norm kernel and the update kernel at them in place, through a static table of
 (parameter, first element) per block and each step's gradient offsets from one base
-address. On an H200, over the 0.5B model's parameter shapes: 3.6 ms for norm and update
-read in place, against 4.8 ms for the float32 copy, its norm and the flat update (same run).
+address: reading them in place is faster than the float32 copy, its norm and the flat
+update (docs/performance.md).
 
 The Triton kernels also write each updated master's compute copy (bf16) next to it, which
 saves `ComputeWeights` the refresh copy of every master at the next step's start (1 GB
-read + 1 GB written less per step on the 0.5B model: ~0.45 ms of an H200's time).
+read + 1 GB written less per step on the 0.5B model).
 
 The update is torch's AdamW (decoupled weight decay, bias corrections from a per-parameter
 step count) with the same device-side clip factor and non-finite skip as
@@ -49,7 +49,7 @@ except ImportError:  # CPU installs
     triton = None  # type: ignore[assignment]
 
 ALIGN = 64  # elements: every view starts 256 B (float32) / 128 B (bfloat16) aligned
-# elements per program of the AdamW kernels (8 warps): the fastest measured on an H200
+# elements per program of the AdamW kernels (8 warps): the fastest measured
 # (docs/performance.md)
 BLOCK = 1024
 # table blocks per program of the norm kernel: fewer, longer programs read the gradients

@@ -1,9 +1,8 @@
 """A micro-batch's policy loss and its metrics as one function of tensors, compilable.
 
 Run op by op, the clipped surrogate, the entropy mean, the KL loss and their metrics launch
-~190 small kernels a micro-batch on a GPU (0.5B learner step on an H200: ~150 in the
-forward, ~40 in its backward, 1-3 us each plus a launch gap), and adding each metric to
-the step's sums three more. Here they come back as one loss and two metric vectors:
+~190 small kernels a micro-batch on a GPU (~150 in the forward, ~40 in its backward, each
+short and paying a launch gap), and adding each metric to the step's sums three more. Here they come back as one loss and two metric vectors:
 `trainer.compile_loss` compiles the function (inductor fuses it into a few kernels each
 way, shapes dynamic), and the sums take each vector in one add (`MetricSums.add_all`).
 """

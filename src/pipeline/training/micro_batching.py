@@ -77,8 +77,8 @@ class MicroBatch:
     def fields(self, t: Tensor) -> Tensor:
         """A batch's (n, R) field restricted to this micro-batch: (m, r). A host field is
         indexed by NumPy: torch's CPU index op runs on the intra-op thread pool even for a
-        few kilobytes, and in a profiled H200 step (16 threads) each of the three it did here
-        held the host 6-7 ms while the device idled."""
+        few kilobytes, and in a profiled GPU step each one held the host for milliseconds
+        while the device idled."""
         if t.device.type == "cpu" and not t.requires_grad and t.dtype in _NUMPY_DTYPES:
             return torch.from_numpy(t.numpy()[self.sample_indices.numpy(), : self.width])
         return t[self.sample_indices.to(t.device), : self.width]
@@ -113,8 +113,8 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         """The model inputs and output layout on `device` (sample_indices stay on the host):
         the packer's `buffer` in one copy, the fields as the same views of the copy (this
-        runs while the device waits for the step's first kernel: regrouping the fields here
-        took ~0.3 ms of an H200 host's time), else one copy per dtype."""
+        runs while the device waits for the step's first kernel, so the host time saved is
+        device time), else one copy per dtype."""
         named = self.device_fields()
         buffer = self.buffer
         if buffer is None or buffer.device == device or not _views_of(buffer, named):

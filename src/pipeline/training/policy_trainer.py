@@ -192,8 +192,8 @@ class PolicyTrainer:
     ) -> PendingStep:
         """`train_step` without waiting for the device at its end: the update is queued and
         its metrics come from `result()`. Submitting the next step first lets the host plan
-        and queue it while the device finishes this one (the step's host prologue, ~3 ms of
-        an H200 step, then overlaps the device's work instead of preceding it). The weights
+        and queue it while the device finishes this one (the step's host prologue then
+        overlaps the device's work instead of preceding it). The weights
         are read in stream order: a forward, a checkpoint or an export after a submit sees
         the update; whatever reads the schedule or the counters settles the step first.
         `on_policy`: the current weights sampled every token of the batch (staleness 0),

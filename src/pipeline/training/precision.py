@@ -9,15 +9,14 @@ sharded one:
   * inside `with compute_weights():` every parameter's `.data` is a bfloat16 (or float16)
     copy of its float32 master, refreshed on entry by one foreach copy, so the whole
     forward and backward run in the compute dtype. (`.data`, not the parameter objects in
-    the modules' dicts, although 290 `.data` stores cost the host ~0.26 ms: a dict store
-    every step defeats dynamo's dict-tag fast path for the compiled trunk's guards, whose
-    check then took 0.665 ms instead of 0.103 ms a step on an H200 host, and the learner
-    bench's step got slower);
+    the modules' dicts, although the `.data` stores cost host time: a dict store every step
+    defeats dynamo's dict-tag fast path for the compiled trunk's guards, whose check then
+    became several times slower, and the learner bench's step got slower);
   * a backward leaves low-precision gradients in `.grad`; `flush()` (called after each
     micro-batch's backward, and on exit) adds them into float32 accumulators with one
     foreach op, so micro-batches add up in float32. One foreach call per micro-batch
     replaces a Python hook per parameter per backward (about 300 on a 0.5B model, each
-    an allocation and a kernel launch: the backward was bound by the host on an H200);
+    an allocation and a kernel launch: the backward was bound by the host);
   * on exit the masters are back in `.data` with the float32 gradients in `.grad`:
     clipping, the optimizer, checkpoints, exports and weight sync see float32 as before.
 
@@ -157,8 +156,8 @@ class ComputeWeights:
         """The low-precision gradients of the only backward of the last `defer` entry, in
         parameter order, not yet in the float32 accumulators (whose `.grad` views hold stale
         values until `materialize`); None when there are none. An optimizer that reads them
-        (FlatAdamW) saves the float32 copy and its read: ~1 ms a step on a 0.5B model on an
-        H200. It must `drop_pending` after queueing its update. They may be outputs of a
+        (FlatAdamW) saves the float32 copy and its read. It must `drop_pending` after
+        queueing its update. They may be outputs of a
         CUDA graph, which its next replay overwrites: `materialize` before another forward
         (`TrainEngine.begin_forward` does)."""
         return self._pending
@@ -205,7 +204,7 @@ class ComputeWeights:
     def _masters(self) -> list[Tensor]:
         """The parameters' float32 masters, read each time (a checkpoint load may have
         replaced them) unless every one is still its view of the flat buffer (a load copies
-        into them): 290 `.data` reads cost the host ~0.2 ms a step."""
+        into them): reading ~290 `.data` attributes every step costs host time."""
         views = self._master_views
         if views is not None and data_ptrs_equal(self.params, self._master_ptrs):
             return views
@@ -214,8 +213,8 @@ class ComputeWeights:
     @torch.no_grad()
     def _refresh(self, masters: list[Tensor]) -> None:
         """Compute copies = masters: one copy of the flat buffer when the masters are its
-        views (one launch instead of a foreach over ~290 tensors: ~1 ms of host time on an
-        H200 host, spent while the device idled at the start of a step)."""
+        views (one launch instead of a foreach over ~290 tensors, whose host time the device
+        would idle through at the start of a step)."""
         if masters is self._master_views and self._flat_low is not None:
             assert self.flat_masters is not None
             if not self._fresh:

@@ -4,11 +4,10 @@ A device-to-host copy into pageable memory returns only once it is done, so the 
 wait for everything queued before it (the rest of a train step); into pinned memory it is
 queued like a kernel, and torch's caching host allocator keeps the pinned block from reuse
 until the copy has run. Host-to-device, the driver stages a small pageable copy and returns
-at once, but a large one (4 MB on an H200 host) waits for the stream's queued work, while
-pinning a buffer for one copy costs the host ~0.3 ms (400 kB); so only large buffers are
-pinned (measured there: up to 2 MB pageable 0.2-0.5 ms with the stream still busy; 4 MB
-7.5 ms, the stream idle). A pinned block's first allocation (cudaHostAlloc) waits for the
-device too; the caching allocator reuses it afterwards.
+at once, but a large one waits for the stream's queued work, while pinning a buffer for one
+copy costs the host about as much as a pageable copy of a few MB; so only large buffers are
+pinned (`PAGEABLE_MAX_BYTES`, measured: docs/performance.md). A pinned block's first allocation
+(cudaHostAlloc) waits for the device too; the caching allocator reuses it afterwards.
 """
 
 from __future__ import annotations

@@ -6,11 +6,9 @@ input and liveness checks over the ~290 parameter inputs of a 0.5B model. `Trunk
 captures the trunk (compiled without CUDA graphs) once per packed shape with
 `torch.cuda.make_graphed_callables`, forward and backward, and replays them through one
 autograd function: a call checks the parameters' addresses, copies the three index inputs
-and launches one graph. Measured on an H200 host (0.5B learner step, perf_counter marks):
-the trunk's forward call returned after 1.5 ms instead of 3.3 ms (1.0 ms of it the graph
-launch, during which the device already runs), but the step took about as long (median
-57.2 vs 57.5 ms; the learner_step bench in one run 57.9 vs 58.0 ms): the trees' replay
-starts early in their call, so little of their overhead held the device back.
+and launches one graph. The trunk's forward call returns about twice as fast, but the
+step took about as long (docs/performance.md): the trees' replay starts early in their
+call, so little of their overhead held the device back.
 
 Shapes: the packer buckets them (`trainer.pack_bucket_tokens`): tokens, the number of
 cu_seqlens entries and max_seqlen, with the varlen grouping flag, key one graph pair. All

@@ -3,7 +3,7 @@
 Every phase has its own deadline because each one fails differently: a rendezvous waits for
 engines to show up, metadata waits for validation, a bucket waits on a collective, and the
 final ack waits for an engine's safe point. One global timeout would either be too short
-for applying a 7B update or far too long to notice a dead engine during a 10 ms bucket.
+for applying a 7B update or far too long to notice a dead engine during a short bucket.
 """
 
 from __future__ import annotations
@@ -38,12 +38,10 @@ class SyncTimeouts:
 class GroupOptions:
     """Where the weight group's sockets listen.
 
-    `interface` (e.g. "eth0") or `hostname` choose the NIC for gloo; for NCCL the interface
-    goes to NCCL_SOCKET_IFNAME (process-wide, set before the first NCCL group). Empty means
-    the library default (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME or the host's name).
+    `hostname` chooses the NIC for gloo. Empty means the library default
+    (GLOO_SOCKET_IFNAME or the host's name); NCCL picks its own (NCCL_SOCKET_IFNAME).
     """
 
-    interface: str = ""
     hostname: str = ""
 
 
@@ -55,8 +53,6 @@ class PublishConfig:
     dtype: torch.dtype = torch.bfloat16  # the rollout dtype; cast before any gather
     striped: bool = False  # every learner rank broadcasts the buckets it owns
     verify: bool = False  # per-entry checksums in WeightMeta (costs one more gather pass)
-    split_large: bool = True  # a tensor larger than a bucket spans consecutive buckets
-    align: int = 256  # byte alignment of entries inside a bucket
     transport: Transport = "auto"  # auto: nccl for CUDA tensors, gloo for CPU
     timeouts: SyncTimeouts = field(default_factory=SyncTimeouts)
     group: GroupOptions = field(default_factory=GroupOptions)
@@ -64,8 +60,6 @@ class PublishConfig:
     def validate(self) -> None:
         if self.bucket_bytes < 64:
             raise ConfigError(f"bucket_bytes={self.bucket_bytes} is too small; use >= 64")
-        if self.align < 1 or self.align & (self.align - 1):
-            raise ConfigError(f"align={self.align} must be a power of two")
         if self.transport not in ("auto", "gloo", "nccl", "cuda_ipc"):
             raise ConfigError(f"transport={self.transport!r}; use auto, gloo, nccl or cuda_ipc")
         if self.striped and self.transport == "cuda_ipc":

@@ -194,9 +194,8 @@ def chunk_copies(
 
 def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """All copies in one foreach call: a few multi-tensor kernels on the GPU instead of a
-    launch (and ~15 us of host time) per tensor. The 0.5B model's 290 tensors in one 1 GB
-    bucket: the learner's bucket phase 6.0 -> 3.9 ms over NCCL between two H200s, 12.6 ->
-    10.2 ms by CUDA IPC on one (weight_sync bench, same host)."""
+    launch (and its host time) per tensor, which shortens the learner's bucket phase over
+    NCCL and CUDA IPC alike (weight_sync bench: docs/performance.md)."""
     if pairs:
         dsts, srcs = zip(*pairs, strict=True)
         torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)

@@ -53,16 +53,14 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 def _gloo(store: dist.Store, spec: GroupAssign, options: GroupOptions) -> Any:
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
-    if options.interface:
-        opts._devices = [dist.ProcessGroupGloo.create_device(interface=options.interface)]
-    elif options.hostname:
+    if options.hostname:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=options.hostname)]
     else:
         opts._devices = [dist.ProcessGroupGloo.create_default_device()]
     return dist.ProcessGroupGloo(store, spec.rank, spec.world, opts)
 
 
-def _nccl(store: dist.Store, spec: GroupAssign, options: GroupOptions, device: torch.device) -> Any:
+def _nccl(store: dist.Store, spec: GroupAssign, device: torch.device) -> Any:
     """Connect this member's NCCL communicator within the group's deadline.
 
     A blocking NCCL init waits without end for a member that arrived and then died (or
@@ -76,8 +74,6 @@ def _nccl(store: dist.Store, spec: GroupAssign, options: GroupOptions, device: t
     """
     if not hasattr(dist, "ProcessGroupNCCL"):
         raise ConfigError("this torch build has no NCCL; use transport gloo on CPU")
-    if options.interface:
-        os.environ["NCCL_SOCKET_IFNAME"] = options.interface
     os.environ.setdefault(CONNECT_TIMEOUT_ENV, str(max(1, math.ceil(spec.rendezvous_s))))
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -140,7 +136,7 @@ def shared_gpus(keys: dict[int, str], members: list[str]) -> list[list[str]]:
 
 def check_one_rank_per_gpu(prefix: dist.Store, spec: GroupAssign) -> None:
     """NCCL takes one rank per GPU: with several on one GPU a member's connect can wait
-    without end (three engine ranks on one H200 and the learner on another did). Every
+    without end (three engine ranks on one GPU and the learner on another did). Every
     member reads the GPUs all members announced on arrival and raises the same error,
     naming those that share one, before connecting."""
     keys = {}
@@ -216,7 +212,7 @@ class WeightGroup:
         if spec.backend == "gloo":
             backend = _gloo(prefix, spec, options)
         elif spec.backend == "nccl":
-            backend = _nccl(prefix, spec, options, device)
+            backend = _nccl(prefix, spec, device)
         else:
             raise ConfigError(f"weight group backend {spec.backend!r}; use gloo or nccl")
         log.info(

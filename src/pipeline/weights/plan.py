@@ -140,7 +140,6 @@ class BucketPlan:
         *,
         bucket_bytes: int = 1 << 30,
         align: int = 256,
-        split_large: bool = True,
     ) -> BucketPlan:
         """Greedy packing in the given order; a tensor that does not fit the remaining space
         opens a new bucket; one larger than a whole bucket starts a fresh bucket and spans
@@ -170,11 +169,6 @@ class BucketPlan:
                 chunks.append(Chunk(spec.name, len(sizes) - 1, 0, n, 0, True))
                 used = n
                 continue
-            if not split_large:
-                raise ConfigError(
-                    f"{spec.name} has {n} bytes, more than bucket_bytes={bucket_bytes}; raise "
-                    "weights.bucket_bytes or allow split_large"
-                )
             if used > 0:
                 sizes.append(0)
             start = 0

@@ -83,12 +83,7 @@ class WeightPublisher:
         if not named:
             raise ConfigError("nothing to publish: the model has no parameters")
         specs = [TensorSpec(n, tuple(p.shape), config.dtype) for n, p in named.items()]
-        self.plan = BucketPlan.build(
-            specs,
-            bucket_bytes=config.bucket_bytes,
-            align=config.align,
-            split_large=config.split_large,
-        )
+        self.plan = BucketPlan.build(specs, bucket_bytes=config.bucket_bytes)
         self.gatherer = BucketGatherer(self.plan, named)
         self.device = next(iter(named.values())).device
         self.transport = resolve_transport(config.transport, self.device)
@@ -212,9 +207,7 @@ class WeightPublisher:
         if tp_size == 1:  # a whole-model engine beside TP ranks: the full buckets
             return self.plan
         if key not in self._shard_plans:
-            self._shard_plans[key] = shard_plan(
-                self.plan, tp_rank, tp_size, align=self.config.align
-            )
+            self._shard_plans[key] = shard_plan(self.plan, tp_rank, tp_size)
         return self._shard_plans[key]
 
     def _fail(self, text: str) -> NoReturn:

@@ -125,7 +125,9 @@ class CriticService(Service):
         self._since_update = (self._since_update + len(groups)) % self.per_step
         if self.max_groups > 1:
             self._record([group.uid for group in groups])
-        command = RankCommand(op=RankOp.ANNOTATE, groups=encode_groups(groups))
+        command = None  # the groups are encoded and copied only for follower ranks
+        if self.thread.has_followers:
+            command = RankCommand(op=RankOp.ANNOTATE, groups=encode_groups(groups))
         loop = asyncio.get_running_loop()
         annotated: asyncio.Future[None] = loop.create_future()
 

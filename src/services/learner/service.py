@@ -278,9 +278,11 @@ class LearnerService(Service):
         of this method between the loop and the trainer in a traceback). `version`: the
         weights' version, which tells an on-policy batch (every rank decides alike)."""
         assert self.worker is not None
-        command = RankCommand(
-            op=RankOp.TRAIN, step=step, version=version, groups=encode_groups(groups)
-        )
+        command = None  # the batch is encoded and copied only for follower ranks
+        if self.thread.has_followers:
+            command = RankCommand(
+                op=RankOp.TRAIN, step=step, version=version, groups=encode_groups(groups)
+            )
         batch = self.worker.rank_batch(groups)
         fresh = on_policy(groups, version)
         submit = functools.partial(

@@ -35,6 +35,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	PYTHONPATH=src $(BIN)/lint-imports
+	$(BIN)/vulture src --min-confidence 80
 
 bench-transport: $(STAMP)
 	$(BIN)/python -m bench.transport --json bench/results/transport-cpu.json

@@ -15,7 +15,7 @@ from pipeline.transport.control import ControlServer
 from pipeline.transport.queue_server import QueueServer
 from pipeline.wire.messages import StepDone
 from services.controller.service import Controller
-from services.controller.service import service as controller_module
+from services.controller import service as controller_module
 
 
 async def _wait_for(condition, seconds: float) -> None:

@@ -34,6 +34,7 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy src
 
 bench-transport: $(STAMP)
 	$(BIN)/python -m bench.transport --json bench/results/transport-cpu.json

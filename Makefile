@@ -36,6 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench
 	PYTHONPATH=src $(BIN)/lint-imports
 	$(BIN)/vulture src --min-confidence 80
+	$(BIN)/mypy src
 
 bench-transport: $(STAMP)
 	$(BIN)/python -m bench.transport --json bench/results/transport-cpu.json

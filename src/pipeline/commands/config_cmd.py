@@ -57,9 +57,14 @@ def schema_rows(cls: type, value: Any, prefix: str = "") -> list[tuple[str, Any,
         path = f"{prefix}.{f.name}" if prefix else f.name
         current = getattr(value, f.name)
         args = typing.get_args(tp)
-        if dataclasses.is_dataclass(tp):
-            rows += schema_rows(tp, current, path)  # type: ignore[arg-type]
-        elif typing.get_origin(tp) is dict and args and dataclasses.is_dataclass(args[1]):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            rows += schema_rows(tp, current, path)
+        elif (
+            typing.get_origin(tp) is dict
+            and args
+            and isinstance(args[1], type)
+            and dataclasses.is_dataclass(args[1])
+        ):
             entry = args[1]()
             rows += schema_rows(args[1], entry, f"{path}.*")
         else:

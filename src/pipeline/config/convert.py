@@ -41,7 +41,7 @@ def convert(tp: Any, value: Any, path: str) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {'; '.join(errors)}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if dataclasses.is_dataclass(value) and isinstance(value, tp):
             return value
         if not isinstance(value, dict):

@@ -45,10 +45,11 @@ def make_engine(
                 model_path, device=device, dtype=dtype, config=config
             )
         from pipeline.engines.tp_engine import TPEngine
-        from pipeline.models import load_model
+        from pipeline.models import CausalLM, load_model
         from pipeline.models.tensor_parallel import shard_model
 
         model = load_model(model_path, dtype=dtype, device=device)
+        assert isinstance(model, CausalLM)
         shard_model(model, tp)  # before the engine fuses projections and sizes its cache
         return TPEngine(TorchEngine(model, config), rank=tp.rank, control=tp.control)
     if kind == "hf":

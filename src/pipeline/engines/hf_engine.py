@@ -24,7 +24,12 @@ import torch
 from pipeline.engines.base import Engine
 from pipeline.engines.errors import BackendUnavailableError, InvalidRequestError
 from pipeline.engines.rng import mix32_int, sample_key
-from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
+from pipeline.engines.types import (
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+)
 from pipeline.engines.weights import ModelWeights, ModuleWeightsEngine
 from pipeline.log import get_logger
 
@@ -89,7 +94,7 @@ class HFEngine(ModuleWeightsEngine, Engine):
             str(model_path),
             dtype=dtype if dtype is not None else "auto",
             attn_implementation=self.config.attn_implementation,
-        ).to(self.device)
+        ).to(self.device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to)
         self.model.eval()
         # generation defaults of the checkpoint (eos ids, top_k=50, ...) must not leak in:
         # every setting comes from SamplingParams
@@ -216,7 +221,9 @@ class HFEngine(ModuleWeightsEngine, Engine):
         for s, tokens, lps in zip(batch, tokens_rows, logprob_rows, strict=True):
             stops = s.params.stop_token_ids
             end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
-            reason = "stop" if end <= len(tokens) and tokens[end - 1] in stops else "length"
+            reason: FinishReason = (
+                "stop" if end <= len(tokens) and tokens[end - 1] in stops else "length"
+            )
             outputs.append(
                 GenerationOutput(
                     request_id=s.request_id,

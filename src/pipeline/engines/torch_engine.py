@@ -38,8 +38,9 @@ import heapq
 import os
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -58,6 +59,7 @@ from pipeline.log import get_logger
 from pipeline.models import CausalLM, KVCache, load_model
 from pipeline.models.attention import eager_attend
 from pipeline.models.decode_attention import decode_kernel_supported
+from pipeline.models.decoder import DecoderBlock
 from pipeline.models.fused import fuse_projections
 from pipeline.models.tensor_parallel import local_heads
 from pipeline.training.compile_limits import allow_recompiles
@@ -153,8 +155,8 @@ def compile_for_decoding(model: CausalLM) -> None:
     """torch.compile every block in place, with its attention (KV-cache write included)
     left eager: one symbolic-shape graph serves prefill and decode of any batch."""
     allow_recompiles()
-    for block in model.model.layers:
-        eager_attend(block.self_attn)  # type: ignore[union-attr, arg-type]
+    for block in cast(Iterable[DecoderBlock], model.model.layers):
+        eager_attend(block.self_attn)
         block.compile(dynamic=True)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +71,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.q_norm: RMSNorm | None = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(hd, config.rms_norm_eps)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -115,7 +116,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k rotated and v by the one-pass op: (batch, seq, heads, head_dim) each."""
         b, s, _ = qkv.shape
-        flat = (t.reshape(b * s, -1) for t in (qkv, cos, sin))
+        flat = (qkv.reshape(b * s, -1), cos.reshape(b * s, -1), sin.reshape(b * s, -1))
         out = rope_qkv(*flat, self.num_heads, self.num_kv_heads)  # (b * s, heads, head_dim)
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in out)
         return q, k, v
@@ -123,10 +124,10 @@ class Attention(nn.Module):
     def row_groups(self) -> list[list[nn.Parameter]]:
         """The q/k/v weights, then their biases where all three have one."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        groups = [[m.weight for m in projs]]
+        groups = [[cast(nn.Parameter, m.weight) for m in projs]]
         biases = [m.bias for m in projs]
         if all(b is not None for b in biases):
-            groups.append(biases)  # type: ignore[arg-type]
+            groups.append(biases)
         return groups
 
     def check_adjacent(self) -> None:
@@ -313,7 +314,7 @@ def varlen_causal(
     from torch.nn.attention.varlen import varlen_attn
 
     causal, gqa_flag = _varlen_options()
-    extra: dict[str, object] = dict(causal)
+    extra: dict[str, Any] = dict(causal)
     if k.shape[1] != q.shape[1]:
         if not grouped:
             group = q.shape[1] // k.shape[1]
@@ -322,13 +323,14 @@ def varlen_causal(
         elif gqa_flag:
             extra["enable_gqa"] = True
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **extra)  # (T, heads, d)
+    out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **extra)  # (T, heads, d)
+    return cast(torch.Tensor, out)
 
 
-_OPTIONS: list[tuple[dict[str, object], bool]] = []
+_OPTIONS: list[tuple[dict[str, Any], bool]] = []
 
 
-def _varlen_options() -> tuple[dict[str, object], bool]:
+def _varlen_options() -> tuple[dict[str, Any], bool]:
     """How this torch's varlen_attn says "causal", and whether it has an `enable_gqa` flag
     (read once: the signature changed between releases). Filled by `varlen_grouped` before
     the compiled trunk runs, which then reads a plain global (torch.compile warns about
@@ -339,7 +341,7 @@ def _varlen_options() -> tuple[dict[str, object], bool]:
         from torch.nn.attention.varlen import varlen_attn
 
         params = inspect.signature(varlen_attn).parameters
-        causal: dict[str, object] = (
+        causal: dict[str, Any] = (
             {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
         )
         _OPTIONS.append((causal, "enable_gqa" in params))
@@ -365,9 +367,9 @@ def varlen_grouped(device: torch.device) -> bool:
 
     def repeated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
-        return varlen_attn(q, kr, vr, cu, cu, 15, 15, **causal)
+        return cast(torch.Tensor, varlen_attn(q, kr, vr, cu, cu, 15, 15, **causal))
 
     def grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return varlen_attn(q, k, v, cu, cu, 15, 15, **causal)
+        return cast(torch.Tensor, varlen_attn(q, k, v, cu, cu, 15, 15, **causal))
 
     return _agrees(grouped, repeated, (q, k, v), 2e-2)

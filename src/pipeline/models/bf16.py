@@ -7,7 +7,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs: no kernels
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 if triton is not None:
 

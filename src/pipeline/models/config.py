@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -264,7 +264,7 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope_from_hf(raw)
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         return cls(
-            model_type=model_type,
+            model_type=cast(ModelType, model_type),
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),

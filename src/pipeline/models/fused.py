@@ -16,7 +16,7 @@ from pipeline.models.attention import Attention
 from pipeline.models.layers import SwiGLU
 
 
-def _concat_as_views(params: list[nn.Parameter]) -> torch.Tensor:
+def _concat_as_views(params: list[torch.Tensor]) -> torch.Tensor:
     """One tensor holding `params` end to end along dim 0; each parameter becomes a view."""
     fused = torch.cat([p.detach() for p in params], dim=0)
     start = 0
@@ -34,7 +34,7 @@ def fuse_projections(model: nn.Module) -> None:
             projs = [module.q_proj, module.k_proj, module.v_proj]
             module.qkv_weight = _concat_as_views([m.weight for m in projs])
             if all(m.bias is not None for m in projs):
-                module.qkv_bias = _concat_as_views([m.bias for m in projs])  # type: ignore[misc]
+                module.qkv_bias = _concat_as_views([m.bias for m in projs])
             elif any(m.bias is not None for m in projs):  # mixed: keep them apart
                 module.qkv_weight = None
         elif isinstance(module, SwiGLU) and module.gate_up_weight is None:

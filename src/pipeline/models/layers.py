@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +124,7 @@ def rows_follow(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def all_rows_follow(parts: list[torch.Tensor]) -> bool:
+def all_rows_follow(parts: Sequence[torch.Tensor]) -> bool:
     """`rows_follow` for each consecutive pair: the parts lie back to back in one storage."""
     return all(rows_follow(a, b) for a, b in itertools.pairwise(parts))
 
@@ -135,14 +136,14 @@ class AdjacentRows(torch.autograd.Function):
     (Two operands: dynamo traced a variadic forward wrongly on a recompile.)"""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling() and not rows_follow(a, b):
             raise ValueError("AdjacentRows: the tensors are not stored one after the other")
         ctx.rows = a.shape[0]
         return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride())
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grad[: ctx.rows], grad[ctx.rows :]
 
 
@@ -202,7 +203,7 @@ class SwiGLU(nn.Module):
         self.adjacent = False
 
     def row_groups(self) -> list[list[nn.Parameter]]:
-        return [[self.gate_proj.weight, self.up_proj.weight]]
+        return [[cast(nn.Parameter, p) for p in (self.gate_proj.weight, self.up_proj.weight)]]
 
     def check_adjacent(self) -> None:
         """Set `adjacent` from where the gate and up weights are stored now (a caller that

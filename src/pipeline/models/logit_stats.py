@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs: the torch version serves
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 # vocabulary entries per inner step of the statistics kernel, and its warps; the next
 # block's load is issued before the current one is reduced (faster: docs/performance.md)

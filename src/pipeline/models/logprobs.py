@@ -21,7 +21,7 @@ compiled by torch.compile, then eager, if it fails; on CPU the torch versions ru
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -86,7 +86,7 @@ class _Kernels:
 
     def get(self, name: str, device: torch.device) -> Callable[..., Any]:
         torch_pass = self._torch_pass(name, device)
-        kernel = {"stats": logit_stats, "grad": logit_grad}[name]
+        kernel = cast(Callable[..., Any], {"stats": logit_stats, "grad": logit_grad}[name])
 
         def run(logits: Tensor, *args: Any) -> Any:
             if self._triton_failed or not kernels_supported(logits):
@@ -101,7 +101,7 @@ class _Kernels:
         return run
 
     def _torch_pass(self, name: str, device: torch.device) -> Callable[..., Any]:
-        eager = {"stats": _logit_stats, "grad": _logit_grad}[name]
+        eager = cast(Callable[..., Any], {"stats": _logit_stats, "grad": _logit_grad}[name])
         if device.type != "cuda" or self._failed:
             return eager
         if self._compiled is None:
@@ -138,7 +138,7 @@ _KERNELS = _Kernels()
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -170,7 +170,7 @@ class _LinearLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Any, ...]:
         hidden, weight, targets, lse, entropy, kept = ctx.saved_tensors
         n = hidden.shape[0]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -33,7 +33,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs: the torch formula serves
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 # backward: programs (each keeps a partial weight gradient), rows per step of each, warps;
 # then the partial weight gradients' sum: columns per program, partial rows per step (the
@@ -127,18 +127,18 @@ def _add_rms_norm_backward(
 
 
 @_add_rms_norm_backward.register_fake
-def _(dy: Tensor, ds_in: Tensor | None, s: Tensor, rstd: Tensor, weight: Tensor):  # type: ignore[no-untyped-def]
+def _(dy: Tensor, ds_in: Tensor | None, s: Tensor, rstd: Tensor, weight: Tensor):
     return torch.empty_like(s), torch.empty_like(weight)
 
 
-def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _setup(ctx, inputs, output) -> None:
     x, delta, weight, _ = inputs
     s, _, rstd = output
     ctx.has_delta = delta is not None
     ctx.save_for_backward(s if delta is not None else x, rstd, weight)
 
 
-def _backward(ctx, ds_out, dy, _drstd):  # type: ignore[no-untyped-def]
+def _backward(ctx, ds_out, dy, _drstd):
     s, rstd, weight = ctx.saved_tensors
     # autograd hands zeros for an unused output (without delta, s is an empty placeholder)
     residual = ds_out if ctx.has_delta else None

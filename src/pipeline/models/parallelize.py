@@ -8,15 +8,15 @@ e.g., `model.token_logprobs(...)` unshards the root parameters exactly like `mod
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from pipeline.errors import ConfigError
-from pipeline.models.decoder import DecoderBase
+from pipeline.models.decoder import DecoderBase, DecoderBlock
 
 FSDP_METHODS = (
     "hidden_states",
@@ -48,7 +48,7 @@ def parallelize(
         raise ConfigError(f"parallelize expects a 1-D data-parallel mesh, got {mesh.ndim}-D")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = model.model.layers
-    for block in layers:
+    for block in cast(Iterable[DecoderBlock], layers):
         block.activation_checkpointing = activation_checkpointing
         if compile_kwargs is not None:
             block.compile(**compile_kwargs)

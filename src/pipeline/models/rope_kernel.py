@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs: the torch formula serves
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 # elements of a (tokens, heads, half head) tile per program, 4 warps (faster than a tile
 # per head: docs/performance.md)
@@ -125,12 +125,12 @@ def _(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return dq.new_empty(dq.shape[0], (dq.shape[1] + 2 * dk.shape[1]) * dq.shape[2])
 
 
-def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _setup(ctx, inputs, output) -> None:
     _, cos, sin, _, _ = inputs
     ctx.save_for_backward(cos, sin)
 
 
-def _backward(ctx, dq, dk, dv):  # type: ignore[no-untyped-def]
+def _backward(ctx, dq, dk, dv):
     cos, sin = ctx.saved_tensors
     return _rope_qkv_backward(dq, dk, dv, cos, sin), None, None, None, None
 

@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs: the torch formula serves
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 BLOCK = 2048  # elements of h per program (8 warps)
 
@@ -89,11 +89,11 @@ def _(dh: Tensor, gu: Tensor) -> Tensor:
     return torch.empty_like(gu)
 
 
-def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(inputs[0])
 
 
-def _backward(ctx, dh):  # type: ignore[no-untyped-def]
+def _backward(ctx, dh):
     (gu,) = ctx.saved_tensors
     return _swiglu_packed_backward(dh, gu)
 

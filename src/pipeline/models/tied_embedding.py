@@ -33,7 +33,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs: the dense torch version serves
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 
 class TiedGrad:
@@ -52,14 +52,14 @@ def tied_embedding(input_ids: Tensor, weight: Tensor, slot: TiedGrad) -> Tensor:
 
 class _TiedEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, input_ids: Tensor, weight: Tensor, slot: TiedGrad) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, input_ids: Tensor, weight: Tensor, slot: TiedGrad) -> Tensor:
         ctx.save_for_backward(input_ids)
         ctx.slot = slot
         ctx.table_shape, ctx.table_dtype = weight.shape, weight.dtype
         return F.embedding(input_ids, weight)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
         (input_ids,) = ctx.saved_tensors
         ids = input_ids.reshape(-1)
         rows = grad_out.reshape(ids.numel(), -1)

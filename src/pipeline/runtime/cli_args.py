@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pipeline.config import PipelineConfig, load_config, parse_override_args
 from pipeline.errors import EXIT_CONFIG, ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.runtime.service import Service
 
 
 def service_parser(role: str) -> argparse.ArgumentParser:
@@ -51,7 +54,7 @@ def config_refused(exc: ConfigError) -> int:
     return EXIT_CONFIG
 
 
-def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
+def run_service(role: str, service_cls: type[Service], argv: list[str] | None) -> int:
     """The thin main() of a data-plane service. Under torchrun (a trainer with fsdp_size >
     1) every rank joins one process group; rank 0 serves, the others follow it."""
     try:
@@ -60,7 +63,7 @@ def run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
         return config_refused(exc)
 
 
-def _run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
+def _run_service(role: str, service_cls: type[Service], argv: list[str] | None) -> int:
     from pipeline.runtime import layout, ranks
     from pipeline.runtime.service import follow, serve
     from pipeline.transport.channel import run_async
@@ -71,7 +74,7 @@ def _run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
     link = ranks.join(config, role, args.replica)
     if link is not None and not link.is_leader:
         released = follow(
-            service_cls,  # type: ignore[arg-type]
+            service_cls,
             ranks=link,
             replica=args.replica,
             grace_s=config.supervisor.stop_timeout_s,
@@ -87,10 +90,10 @@ def _run_service(role: str, service_cls: object, argv: list[str] | None) -> int:
 
         configure_logging()
         bind_process(service=role, replica=args.replica)
-        early = start_early_build(config, service_cls.early_parts)  # type: ignore[attr-defined]
+        early = start_early_build(config, service_cls.early_parts)
     run_async(
         serve(
-            service_cls,  # type: ignore[arg-type]
+            service_cls,
             controller=controller,
             replica=args.replica,
             local_config=config,

@@ -75,10 +75,10 @@ class MetricsWriter:
 class Service:
     role: ClassVar[str] = ""
     # items processed concurrently by the default loop
-    concurrency: ClassVar[int] = 4
+    concurrency: int = 4
     # builds the role's model parts from the local config while the service waits for the
     # controller (pipeline.runtime.early_build); None: nothing to build early
-    early_parts: ClassVar[Callable[[PipelineConfig], Any] | None] = None
+    early_parts: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx

@@ -162,6 +162,7 @@ class Supervisor:
         except (OSError, ValueError, KeyError, TypeError):
             return
         for child in self._live():
+            assert child.proc is not None
             if child.role == "controller":
                 continue
             if child.name not in told or child.started_at > told_at:

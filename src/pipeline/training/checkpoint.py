@@ -136,7 +136,7 @@ def _unb64(s: str) -> torch.Tensor:
 def rng_state() -> dict[str, Any]:
     """This process's RNG states as JSON-able values."""
     py_version, py_state, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()  # type: ignore[misc]
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": [py_version, list(py_state), py_gauss],
         "numpy": [
@@ -235,8 +235,12 @@ def _segments(
         for offset in range(0, max(size, 1), segment)
     ]
     workers = max(1, min(_HASH_THREADS, len(jobs)))
+
+    def job_digest(job: tuple[str, int, int]) -> str:
+        return _segment_digest(root, *job, key)
+
     with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-digest") as pool:
-        found = list(pool.map(lambda job: _segment_digest(root, *job, key), jobs))
+        found = list(pool.map(job_digest, jobs))
     out: dict[str, list[str]] = {name: [] for name in sizes}
     for (name, _, _), digest in zip(jobs, found, strict=True):
         out[name].append(digest)
@@ -514,7 +518,7 @@ def _load_one(
             f"{meta_file} has format {meta.get('format')!r}, this code reads {FORMAT_VERSION}"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not is_distributed())
     set_state_dict(

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -22,6 +22,7 @@ from pipeline.algorithms import LossAggMode
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.models import CausalLM, DecoderBase, parallelize
+from pipeline.models.decoder import DecoderBlock
 from pipeline.models.layers import RowGrouped
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint, load_checkpoint, save_checkpoint
@@ -121,10 +122,10 @@ def place_model(
     model.tied_grad_rows = (
         config.tied_grad_rows and trainable and not config.trunk_graphs and not is_distributed()
     )
-    for block in model.model.layers:
-        block.self_attn.fused_rope = config.fused_rope  # type: ignore[union-attr]
-        block.fused_norm = config.fused_norm  # type: ignore[union-attr]
-        block.mlp.packed = config.packed_mlp  # type: ignore[union-attr]
+    for block in cast(Iterable[DecoderBlock], model.model.layers):
+        block.self_attn.fused_rope = config.fused_rope
+        block.fused_norm = config.fused_norm
+        block.mlp.packed = config.packed_mlp
     if isinstance(model, CausalLM):
         model.tie_weights()  # a conversion may have replaced the shared parameter
     if not trainable:
@@ -142,8 +143,8 @@ def place_model(
             compile_kwargs=config.compile_kwargs() if config.compile else None,
         )
     else:
-        for block in model.model.layers:
-            block.activation_checkpointing = config.activation_checkpointing and trainable  # type: ignore[union-attr]
+        for block in cast(Iterable[DecoderBlock], model.model.layers):
+            block.activation_checkpointing = config.activation_checkpointing and trainable
         if config.compile:
             regions = model.model.layers if config.compile_scope == "blocks" else [model.model]
             for region in regions:

@@ -8,6 +8,7 @@ writes as config.json + safetensors that transformers' `from_pretrained` and vLL
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -21,7 +22,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not is_distributed():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
 
 
 def export_hf(

@@ -46,7 +46,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 ALIGN = 64  # elements: every view starts 256 B (float32) / 128 B (bfloat16) aligned
 # elements per program of the AdamW kernels (8 warps): the fastest measured

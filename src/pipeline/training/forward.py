@@ -55,9 +55,9 @@ def micro_logprobs(
             score_index=mb.score_index,
         )
     if with_entropy:
-        logp_all, ent_all = out  # type: ignore[misc]
+        logp_all, ent_all = out
     else:
-        logp_all, ent_all = out, None  # type: ignore[assignment]
+        logp_all, ent_all = out, None
     anchor = logp_all.sum() * 0.0
     if ent_all is not None:
         anchor = anchor + ent_all.sum() * 0.0

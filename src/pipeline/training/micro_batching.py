@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -118,7 +119,7 @@ class MicroBatch:
         named = self.device_fields()
         buffer = self.buffer
         if buffer is None or buffer.device == device or not _views_of(buffer, named):
-            moved = to_device_grouped(named, device)
+            moved: dict[str, Any] = to_device_grouped(named, device)
             return dataclasses.replace(self, **moved, buffer=None)
         return self.on_copy(to_device(buffer, device), named)
 
@@ -129,7 +130,7 @@ class MicroBatch:
         if named is None:
             named = self.device_fields()
         base = self.buffer.storage_offset()
-        views = {
+        views: dict[str, Any] = {
             k: copy.as_strided(t.shape, t.stride(), t.storage_offset() - base)
             for k, t in named.items()
         }
@@ -341,12 +342,15 @@ def pack_padded(batch: ExperienceBatch, indices: Sequence[int]) -> MicroBatch:
     attention_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # (m, S)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (m, S)
     starts = [row * width for row in range(len(seqs))]
+    layout: dict[str, Any] = {
+        k: torch.from_numpy(a) for k, a in _response_layout(batch, indices, starts).items()
+    }
     return MicroBatch(
         sample_indices=torch.as_tensor(list(indices), dtype=torch.long),
         input_ids=ids,
         target_ids=targets,
         position_ids=positions,
-        **{k: torch.from_numpy(a) for k, a in _response_layout(batch, indices, starts).items()},
+        **layout,
         attention_mask=attention_mask,
         num_tokens=int(lengths.sum()),
     )

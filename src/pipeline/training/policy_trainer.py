@@ -264,6 +264,7 @@ class PolicyTrainer:
                 clock.mark("lagged_check")
             self._lagged.keep(self.model, version)
         if not fused:
+            assert prox is not None
             is_w = truncated_is_weights(
                 prox, batch.behaviour_logprobs, mask, cap=alg.is_cap, level=alg.is_level
             )  # (n, R)

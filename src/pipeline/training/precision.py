@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +49,7 @@ from pipeline.training.flat_adamw import FlatLayout
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
-def data_ptrs_equal(tensors: list[Tensor], ptrs: list[int]) -> bool:
+def data_ptrs_equal(tensors: Sequence[Tensor], ptrs: list[int]) -> bool:
     """Whether every tensor's data pointer is the one given (~290 Python calls on a 0.5B
     model where torch lacks the C++ check)."""
     if _PTRS_EQUAL is not None:

@@ -31,7 +31,7 @@ the same, the training graphs go off for the run and the trunk trains itself.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -154,7 +154,8 @@ class TrunkGraphs:
         self.replays += 1
         if not grad:
             return graphed(input_ids, positions, cu)
-        return graphed.forward(input_ids, positions, cu)  # the graphed forward, no hooks
+        module = cast(nn.Module, graphed)  # from _capture
+        return module.forward(input_ids, positions, cu)  # the graphed forward, no hooks
 
     def _capture_forward(
         self,
@@ -191,8 +192,9 @@ class TrunkGraphs:
                 module, sample, num_warmup_iters=2, pool=self._pool
             )
         except RuntimeError as e:  # torch.AcceleratorError: the capture is ended, not sticky
-            return self._give_up(key, stream, e)
-        entry = (graphed, [p.data_ptr() for p in self.params])
+            self._give_up(key, stream, e)
+            return None
+        entry = (cast(nn.Module, graphed), [p.data_ptr() for p in self.params])
         self._graphs[key] = entry
         _log.info("trunk_graph_captured", shape=key[:4], graphs=len(self._graphs))
         return entry

@@ -28,7 +28,7 @@ import zmq
 class AsyncSocket:
     """Awaitable send/recv/poll over a plain `zmq.Socket`; other attributes pass through."""
 
-    def __init__(self, sock: zmq.Socket) -> None:  # type: ignore[type-arg]
+    def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
         self._readers: list[asyncio.Future[None]] = []
         self._writers: list[asyncio.Future[None]] = []

@@ -28,7 +28,7 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 PLAIN_USER = "pipeline"
 _POLL_MS = 100
 _LOGGED_PER_REASON = 5
-_FAILURES = {
+_FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "bad_credentials",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "wrong_mechanism",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",

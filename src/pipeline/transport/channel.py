@@ -115,12 +115,12 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
-def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None) -> Any:  # type: ignore[type-arg]
+def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None) -> Any:
     """A socket of `ctx`'s own kind (blocking for `zmq.Context`), with the channel options."""
     return _configure(ctx.socket(kind), kind, identity)
 
 
-def make_async_socket(ctx: zmq.Context, kind: int, identity: str | None = None) -> AsyncSocket:  # type: ignore[type-arg]
+def make_async_socket(ctx: zmq.Context, kind: int, identity: str | None = None) -> AsyncSocket:
     """A plain socket of any context, driven by the running loop (see `aiosock`)."""
     return AsyncSocket(_configure(zmq.Socket(ctx, kind), kind, identity))
 

@@ -154,6 +154,7 @@ class ControlServer:
             self.stats.reject(self.log, exc.reason, exc.detail)
             return
         body = msg.body
+        peer: Peer | None
         if isinstance(body, Hello):
             self._asked.pop(identity, None)
             known = self.peers.get(identity)

@@ -50,7 +50,7 @@ class Link:
     def __init__(
         self, ctx: zmq.Context, kind: int, *, sender: str, run_id: str = "", identity: str = ""
     ) -> None:
-        self.sock = make_socket(ctx, kind, identity or None)  # type: ignore[arg-type]
+        self.sock = make_socket(ctx, kind, identity or None)
         if kind == zmq.ROUTER:
             # a restarted engine reuses its name: the newest connection wins
             self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)

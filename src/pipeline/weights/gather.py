@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ class BucketGatherer:
             chunk_rows = -(-d0 // self.world)
             row_bytes = (spec.nbytes // d0) if d0 else 0
             rows = [max(0, min(chunk_rows, d0 - r * chunk_rows)) for r in range(self.world)]
-            local = p.to_local()
+            local = cast(DTensor, p).to_local()
             if local.shape[0] != rows[self.rank]:
                 raise ConfigError(
                     f"{spec.name}: local shard has {local.shape[0]} rows, expected "
@@ -129,9 +130,9 @@ class BucketGatherer:
                 continue
             p = self.params[c.name].detach()
             if kind == "replicated":
-                p = p.to_local()
+                p = cast(DTensor, p).to_local()
             elif kind == "full_tensor":
-                p = p.to(self.dtype[c.name]).full_tensor()  # cast before the gather
+                p = cast(DTensor, p.to(self.dtype[c.name])).full_tensor()  # cast before the gather
             out[c.name] = [p.reshape(-1)]
         for name, src in out.items():
             if self._last[name] > bucket:
@@ -148,7 +149,7 @@ class BucketGatherer:
         device = self.params[sharded[0].name].device
         inp = torch.empty(seg, dtype=torch.uint8, device=device)
         for s in sharded:
-            local = self.params[s.name].to_local()
+            local = cast(DTensor, self.params[s.name]).to_local()
             n = s.rows[self.rank] * s.row_bytes
             if n:
                 dst = inp[s.offset : s.offset + n].view(self.dtype[s.name]).view(local.shape)

@@ -51,7 +51,7 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 
 def _gloo(store: dist.Store, spec: GroupAssign, options: GroupOptions) -> Any:
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
     if options.hostname:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=options.hostname)]

@@ -128,7 +128,7 @@ class WeightPublisher:
         if self.hub is not None:
             self.hub.poll()
             names = self.hub.names()
-            rebuild = self._dirty or self.hub.changed or names != self.members
+            rebuild: int = self._dirty or self.hub.changed or names != self.members
             head = [len(names), int(rebuild), self.hub.generation + int(rebuild)]
         count, rebuild, generation = self.comm.bcast_ints(head)
         if count == 0:
@@ -272,8 +272,8 @@ class WeightPublisher:
         if self.comm.any_true(local is not None):
             text = ""
             if self.hub is not None:
-                exc = local or WeightSyncError("group", "learner", "another learner rank failed")
-                text = failure_text("group", exc.peer, str(exc))
+                err = local or WeightSyncError("group", "learner", "another learner rank failed")
+                text = failure_text("group", err.peer, str(err))
             self._fail(self.comm.bcast_text(text))
         self._dirty = False
 

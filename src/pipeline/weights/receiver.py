@@ -342,7 +342,7 @@ class WeightReceiver:
             raise RuntimeError("not a member of a weight group (its build failed)")
         slots = self._buffers(max(layout.bucket_sizes, default=0))
         pending: deque[tuple[int, Any, torch.Tensor]] = deque()
-        self._verify_error: VerifyError | None = None
+        self._verify_error = None
         posted = 0
         for k, size in enumerate(layout.bucket_sizes):
             if layout.p2p and size == 0:  # our own shards only: an empty bucket is not sent

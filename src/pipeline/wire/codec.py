@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import msgspec.inspect
@@ -135,7 +135,7 @@ def _iter_refs(obj: Any) -> list[TensorRef]:
 @functools.cache
 def _ref_fields(cls: type) -> tuple[str, ...]:
     """The fields of Struct type `cls` whose declared type can hold a TensorRef."""
-    info = msgspec.inspect.type_info(cls)
+    info = cast(msgspec.inspect.StructType, msgspec.inspect.type_info(cls))
     return tuple(f.name for f in info.fields if _can_hold_ref(f.type, set()))
 
 

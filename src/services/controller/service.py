@@ -466,6 +466,7 @@ class Controller:
         if self.step >= self.config.controller.steps:
             finished.set()  # the killed incarnation had journaled the last step
         await asyncio.wait([*tasks, *waiters], return_when=asyncio.FIRST_COMPLETED)
+        task: asyncio.Task[Any]
         for task in tasks:
             if task.done() and task.exception():
                 raise task.exception()  # type: ignore[misc]

@@ -138,7 +138,7 @@ class CriticService(Service):
             self.thread.run(self.worker.annotate, groups, on_annotated, command=command)
         )
         self._updates.add(call)
-        await asyncio.wait([annotated, call], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((annotated, call), return_when=asyncio.FIRST_COMPLETED)
         call.add_done_callback(self._call_done)
         if call.done():
             call.result()  # its error fails these groups
@@ -166,7 +166,7 @@ class CriticService(Service):
     async def replay(self, messages: list[codec.Message], run_dir: Path) -> list[Output]:
         """The recorded groups in the forwards the run made (`critic/batches.jsonl`; one
         group a forward where it has none), in its order; groups it does not list after."""
-        pending = {}
+        pending: dict[str, GroupArrays] = {}
         for message in messages:
             group = read_group(message)
             pending.setdefault(group.uid, group)  # a redelivery is the same group

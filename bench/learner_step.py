@@ -113,7 +113,7 @@ def synthetic_batch(
     return experience, ids
 
 
-# how a batch is pushed through the model, taken from the profile's [learner.trainer]
+# how a batch is pushed through the model: the profile's [learner.trainer] and its kernels
 PROFILE_KNOBS = (
     "compile",
     "padding_free",
@@ -138,13 +138,20 @@ PROFILE_KNOBS = (
 REPORTED_KNOBS = ("param_dtype", "grad_clip", "flat_optimizer")
 
 
-def profile_knobs(path: Path | None) -> dict[str, Any]:
+def profile_knobs(path: Path | None, device: str) -> dict[str, Any]:
+    """The profile's micro-batch budget and first moment, and the switches its learner's
+    kernels stand for on this device (one process)."""
     if path is None:
         return {}
-    from pipeline.config.profile import read_profile
+    from pipeline.config import load_config
+    from pipeline.training.config import kernel_switches
 
-    trainer = read_profile(path).get("learner", {}).get("trainer", {})
-    return {k: trainer[k] for k in PROFILE_KNOBS if k in trainer}
+    trainer = load_config(path, {}).learner.trainer
+    return {
+        "max_tokens_per_micro_batch": trainer.max_tokens_per_micro_batch,
+        "exp_avg_dtype": trainer.exp_avg_dtype,
+        **kernel_switches(trainer.kernels, device, sharded=False, policy=True),
+    }
 
 
 def parse_variant(text: str) -> dict[str, Any]:
@@ -248,7 +255,7 @@ def trainer_config(
     from pipeline.training import TrainerConfig
 
     fields: dict[str, Any] = {
-        **profile_knobs(args.profile),
+        **profile_knobs(args.profile, args.device),
         "lr": 1e-6,
         "device": args.device,
         "param_dtype": "bfloat16" if args.device == "cuda" else "float32",

@@ -35,7 +35,7 @@ def child(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     import torch
 
     from pipeline.config.profile import load_config, parse_override_args
-    from pipeline.training.config import policy_config
+    from pipeline.training.config import critic_config, policy_config
     from pipeline.training.warm_up import compile_counts, compile_report, warm_up_batches
 
     out: dict[str, Any] = {"import_s": round(time.perf_counter() - started, 3)}
@@ -48,7 +48,7 @@ def child(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     else:
         from pipeline.training.critic_trainer import CriticTrainer
 
-        part = CriticTrainer(args.model_dir, config.critic.trainer, config.algorithm)
+        part = CriticTrainer(args.model_dir, critic_config(config), config.algorithm)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     out["build_s"] = round(time.perf_counter() - t, 3)
     batches = warm_up_batches(config, part.model.config.vocab_size)

@@ -56,13 +56,13 @@ def test_light_modules_do_not_import_torch_or_transformers(group: str):
 
 
 def test_the_launcher_loads_a_gpu_profile_without_torch():
-    """A GPU profile sets inductor options (learner.trainer.compile_options): the launcher
-    leaves their check to the trainer that compiles, which imports torch anyway."""
+    """A GPU profile's kernels ("auto": inductor options among them) are derived where the
+    trainer builds, which imports torch anyway: the launcher loads it without torch."""
     code = (
         "import sys\n"
         "from pipeline.config import load_config\n"
         "config = load_config('profiles/h200-single.toml', {})\n"
-        "assert config.learner.trainer.compile_options\n"
+        "assert config.learner.trainer.kernels == 'auto'\n"
         "assert 'torch' not in sys.modules\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

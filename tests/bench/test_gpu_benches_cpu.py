@@ -22,6 +22,8 @@ from bench.common import KEYS
 from bench import all_gpu
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PIPELINE_LOG_LEVEL": "warning"}
+# kernels "auto" on CPU: the trainers' blocks compiled by aot_eager (no kernels generated)
+COMPILED = {"PIPELINE_CPU_COMPILE": "aot_eager"}
 
 
 def run_bench(
@@ -235,9 +237,12 @@ def test_all_gpu_bookkeeping(tmp_path: Path) -> None:
     assert "failed" in text and "exit code 1" in text
 
 
-def _bench_figures(cmd: list[str], out_file: Path) -> list[dict[str, Any]]:
+def _bench_figures(
+    cmd: list[str], out_file: Path, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """Run a bench's command line; the figures it wrote."""
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, check=False)
+    env = {**ENV, **(env or {})}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out_file.read_text())
 
@@ -253,9 +258,8 @@ def test_cold_start_cpu(tmp_path: Path) -> None:
     out_file = tmp_path / "cold_start.json"
     cmd = [sys.executable, "-m", "bench.cold_start", "--device", "cpu", "--shape", ""]
     cmd += ["--profile", "profiles/local-cpu.toml", "--variants", "grpo", "--steps", "4"]
-    cmd += ["--json", str(out_file), "--learner.trainer.compile", "true"]
-    cmd += ["--learner.trainer.compile_backend", "aot_eager"]
-    figs = _bench_figures(cmd, out_file)
+    cmd += ["--json", str(out_file)]
+    figs = _bench_figures(cmd, out_file, COMPILED)
     assert [f["figure"] for f in figs] == ["first_step_s_grpo_cold", "first_step_s_grpo_warm"]
     for fig in figs:
         assert list(fig) == list(KEYS)
@@ -274,13 +278,9 @@ def test_warm_up_cpu(tmp_path: Path) -> None:
     out_file = tmp_path / "warm_up.json"
     cmd = [sys.executable, "-m", "bench.warm_up", "--device", "cpu", "--shape", "tiny"]
     cmd += ["--profile", "profiles/local-cpu.toml", "--cprofile", "5", "--json", str(out_file)]
-    cmd += ["--learner.trainer.compile", "true", "--learner.trainer.compile_backend", "aot_eager"]
-    # a step of 16 samples (not 256) and one block compiled for all: the same cold and warm
-    # children and figures in ~50 s, not ~125 s; the default scope (the trunk) compiles
-    # and warms up in tests/e2e/test_early_build.py
+    # a step of 16 samples (not 256): the same cold and warm children and figures in ~50 s
     cmd += ["--controller.prompts_per_step", "4", "--rollout.n_samples", "4"]
-    cmd += ["--learner.trainer.compile_scope", "blocks"]
-    figs = _bench_figures(cmd, out_file)
+    figs = _bench_figures(cmd, out_file, COMPILED)
     assert [f["figure"] for f in figs] == ["learner_warm_up_s_cold", "learner_warm_up_s_warm"]
     for fig in figs:
         assert list(fig) == list(KEYS)

@@ -37,14 +37,13 @@ def test_learner_warms_up_before_any_controller_answers(tmp_path):
         "--model.path", str(model),
         "--run.runs_dir", str(tmp_path / "runs"),
         "--run.handshake_timeout_s", "120",
-        "--learner.trainer.compile", "true",
-        "--learner.trainer.compile_backend", "aot_eager",
         # warm-up batches of a 16-sample step (the profile's is 256): the same compile,
         # without ~20 s of eager arithmetic on 2 cores
         "--controller.prompts_per_step", "4",
         "--rollout.n_samples", "4",
     ]  # fmt: skip
-    env = dict(os.environ, PIPELINE_LOG_JSON="1")
+    # kernels "auto" on CPU: the blocks compiled by aot_eager
+    env = dict(os.environ, PIPELINE_LOG_JSON="1", PIPELINE_CPU_COMPILE="aot_eager")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pipeline.training.config import CPU_COMPILE_ENV
 from pipeline.wire.recording import QueueReader
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +90,7 @@ def run_pipeline(
     overrides: dict[str, str],
     during: Callable[[subprocess.Popen[bytes], Path], None] | None = None,
     timeout: float = 420,
+    env: dict[str, str] | None = None,
 ) -> Run:
     runs = tmp_path / "runs"
     out = (tmp_path / "run.log").open("wb")
@@ -97,7 +99,7 @@ def run_pipeline(
         cwd=REPO,
         stdout=out,
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, PIPELINE_LOG_JSON="1"),
+        env=dict(os.environ, PIPELINE_LOG_JSON="1", **(env or {})),
         start_new_session=True,
     )
     run_dir = runs / "m"
@@ -507,7 +509,7 @@ def case_staleness(tmp_path: Path, bound: int) -> None:
             "learner.weights.bucket_timeout_s": "1",
             "learner.weights.apply_timeout_s": "1",
             # a paused replica is slow, not dead: its prompts stay with it
-            "queues.channel.peer_timeout_s": "60",
+            "queues.peer_timeout_s": "60",
             # a step of several epochs: the pause lands before its publish even when this
             # machine is busy and the watch loop late
             "learner.trainer.ppo_epochs": "6",
@@ -559,17 +561,9 @@ def case_compiled_without_recompiles(tmp_path: Path) -> None:
     """Learner and critic compiled (aot_eager: dynamo's frames and guards without kernels),
     warmed up at start: the toy task's responses end at EOS, so every step packs other
     lengths, and none recompiles."""
-    compiled = {
-        f"{role}.trainer.{key}": value
-        for role in ("learner", "critic")
-        for key, value in (
-            ("compile", "true"),
-            ("compile_backend", "aot_eager"),
-            ("compile_scope", "blocks"),
-            ("padding_free", "true"),
-        )
-    }
-    run = run_pipeline(tmp_path, PPO, {**compiled, "controller.steps": "8"})
+    # on CPU, kernels "auto" compiles the blocks with this backend (packed micro-batches)
+    compiled = {CPU_COMPILE_ENV: "aot_eager"}
+    run = run_pipeline(tmp_path, PPO, {"controller.steps": "8"}, env=compiled)
     assert run.events("learner-0", "warmed_up") and run.events("critic-0", "warmed_up")
     lengths = {round(s["response_len_mean"], 3) for s in run.steps}
     assert len(lengths) > 3, lengths  # the lengths did vary

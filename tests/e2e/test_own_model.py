@@ -27,8 +27,6 @@ ON_CPU = {
     "model.dtype": "float32",
     "learner.trainer.param_dtype": "float32",
     "learner.trainer.exp_avg_dtype": "float32",
-    "learner.trainer.compile": "false",
-    "learner.trainer.compile_loss": "false",
     "run.torch_threads": "1",
 }
 

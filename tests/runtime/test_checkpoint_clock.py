@@ -30,7 +30,7 @@ def test_due_by_steps_or_by_seconds_since_the_last_save():
 
 def test_the_default_profile_saves_every_five_minutes():
     config = load_config("profiles/local-cpu.toml", {})
-    assert config.learner.checkpoint_every_s == 300.0 == config.critic.checkpoint_every_s
+    assert config.learner.checkpoint_every_s == 300.0  # the critic's clock too
 
 
 def test_a_run_saves_as_it_goes(tmp_path: Path):

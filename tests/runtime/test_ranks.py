@@ -300,7 +300,7 @@ def _critic_config(model_dir: str, **overrides: str) -> Any:
         {
             "model.path": model_dir,
             "controller.prompts_per_step": "2",
-            "critic.trainer.device": "cpu",
+            "learner.trainer.device": "cpu",  # the critic's too
             **overrides,
         },
     )

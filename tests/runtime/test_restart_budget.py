@@ -1,5 +1,5 @@
 """A service may be restarted `supervisor.max_restarts` times within any
-`supervisor.restart_window_s`: crashes spread over a long run do not add up to its end
+The supervisor's restart window (RESTART_WINDOW_S): crashes spread over a long run do not add up to its end
 (issue 33, defect 6: the counter never reset), a crash loop still ends it."""
 
 from __future__ import annotations

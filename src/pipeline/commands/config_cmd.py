@@ -18,7 +18,16 @@ _FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=]+(?:=.*)?$")
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's comment: the `#` lines right above it, or its trailing `# ...`."""
+    """Each field's comment: the `#` lines right above it, or its trailing `# ...`; an
+    inherited field's from the class that declares it."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if base is not cls and dataclasses.is_dataclass(base):
+            docs.update(_own_field_docs(base))
+    return {**docs, **_own_field_docs(cls)}
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):

@@ -93,9 +93,8 @@ def check_world(config: PipelineConfig, role: str, world: int) -> None:
 
 def rank_device(config: PipelineConfig, role: str) -> str:
     """The device kind a rank of `role` computes on (cuda means cuda:LOCAL_RANK)."""
-    if role in TRAINER_ROLES:
-        trainer = config.learner.trainer if role == "learner" else config.critic.trainer
-        return trainer.device
+    if role in TRAINER_ROLES:  # the critic's is the learner's
+        return config.learner.trainer.device
     return "cuda" if config.pools[config.services[role].pool].kind == "cuda" else "cpu"
 
 

@@ -40,6 +40,10 @@ from pipeline.transport.security import run_secret
 
 # the longest a controller may take to prepare a run (a tiny model's warm start included)
 PREPARE_TIMEOUT_S = 900.0
+# seconds before a crashed service starts again
+RESTART_BACKOFF_S = 0.5
+# seconds over which a service's restarts count against supervisor.max_restarts
+RESTART_WINDOW_S = 3600.0
 
 
 @dataclass
@@ -220,21 +224,21 @@ class Supervisor:
             return False
         if child.budget is None:
             cfg = self.config.supervisor
-            child.budget = RestartBudget(cfg.max_restarts, cfg.restart_window_s)
+            child.budget = RestartBudget(cfg.max_restarts, RESTART_WINDOW_S)
         if not child.budget.take(time.monotonic()):
             self.log.error(
                 "service_failed",
                 service=child.name,
                 code=code,
                 restarts=child.restarts,
-                within_s=self.config.supervisor.restart_window_s,
+                within_s=RESTART_WINDOW_S,
             )
             return False
         child.restarts += 1
         self.log.warning(
             "service_restarting", service=child.name, code=code, attempt=child.restarts
         )
-        time.sleep(self.config.supervisor.restart_backoff_s)
+        time.sleep(RESTART_BACKOFF_S)
         self.start(child)
         return True
 

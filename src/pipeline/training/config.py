@@ -1,4 +1,5 @@
-"""TrainerConfig: optimisation and batching knobs shared by the policy and critic trainers.
+"""A trainer's keys (TrainerSection; PolicyTrainerSection for the policy) and what a trainer
+runs with (TrainerConfig: those keys and the switches derived from `kernels` and the device).
 
 Algorithm knobs (clip ratios, KL, estimators) live in `pipeline.algorithms.AlgorithmConfig`;
 this holds only what decides *how* a batch is pushed through the model and the optimiser.
@@ -7,6 +8,7 @@ this holds only what decides *how* a batch is pushed through the model and the o
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,46 +30,29 @@ _DTYPES: dict[str, str] = {
 _SECTION = "trainer"
 
 
-# read by the policy's log-probs and loss only (PolicyTrainer), never by a value model
-POLICY_ONLY = (
-    "fuse_proximal",
-    "reuse_behaviour_logprobs",
-    "reuse_check_every",
-    "reuse_max_mismatch_kl",
-    "mismatch_check_every",
-    "logprob_chunk_tokens",
-    "logprob_keep_logits",
-    "temperature",
-    "compile_loss",
-    "keep_reference",
+Kernels = Literal["auto", "off"]
+# the torch.compile backend with which CPU tests compile a trainer whose kernels are "auto"
+# (aot_eager: dynamo's frames and guards, no kernels generated); unset: no compile on CPU
+CPU_COMPILE_ENV = "PIPELINE_CPU_COMPILE"
+# peak dense bf16 FLOP/s of one device, by a part of its CUDA name (first match; MFU)
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
 )
 
 
 @dataclass(frozen=True)
-class TrainerConfig:
-    """How to train: optimiser, LR schedule, PPO epochs, batching, precision, placement."""
+class TrainerSection:
+    """critic.trainer: what a value model's trainer tunes (its precision and kernels are
+    the learner's: `PolicyTrainerSection`)."""
 
     # optimiser
     lr: float = 1e-5
     # AdamW's decoupled weight decay
     weight_decay: float = 0.0
-    # AdamW's moment decays
-    betas: tuple[float, float] = (0.9, 0.999)
-    # AdamW's epsilon
-    eps: float = 1e-8
     grad_clip: float | None = 1.0  # None: no clipping (the norm is still reported)
-    # AdamW's fused kernel: None = on CUDA for an unsharded model. Fused, the clip and the
-    # skip of a non-finite update happen on the device, with no host sync before the step
-    fused_optimizer: bool | None = None
-    # with the fused optimizer in one process and low-precision compute: masters, gradients
-    # and moments in flat buffers updated by one kernel (training/flat_adamw.py)
-    flat_optimizer: bool = True
-    # the flat optimizer's first moment (exp_avg) in bfloat16: 24 instead of 28 bytes a
-    # parameter per update and 2 bytes a parameter less memory (the update itself computes
-    # in float32 and stores the new moment rounded to nearest). As Megatron-core's
-    # precision-aware optimizer offers; the second moment stays float32 (its 0.999 decay
-    # would stall in bfloat16). Needs the flat optimizer (an error otherwise)
-    exp_avg_dtype: Literal["float32", "bfloat16"] = "float32"
     # schedule (in optimizer steps; total_steps is needed by linear/cosine)
     schedule: Schedule = "constant"
     # optimizer steps of linear warm-up from 0
@@ -76,48 +61,127 @@ class TrainerConfig:
     total_steps: int = 0
     # the schedule's floor as a share of lr
     min_lr_ratio: float = 0.0
-    # batching
+    # batching: passes over each step's batch
     ppo_epochs: int = 1
     # optimizer steps per epoch (the batch split into this many)
     mini_batches: int = 1
+    # tokens of one forward/backward (gradients accumulate over micro-batches)
+    max_tokens_per_micro_batch: int = 4096
+    infer_max_tokens_per_micro_batch: int = 0  # no-grad forwards; 0: same as training
+    shuffle: bool = False  # permute samples each epoch (seeded by seed, step, epoch)
+    # recompute each block in backward (memory for time)
+    activation_checkpointing: bool = False
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad key."""
+        if not self.lr > 0:
+            raise ConfigError(f"set {_SECTION}.lr to a value > 0 (got {self.lr})")
+        if self.weight_decay < 0:
+            raise ConfigError(f"set {_SECTION}.weight_decay >= 0 (got {self.weight_decay})")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"set {_SECTION}.grad_clip > 0 or null (got {self.grad_clip})")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"set {_SECTION}.schedule to one of {SCHEDULES} (got {self.schedule!r})"
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"set {_SECTION}.warmup_steps >= 0 (got {self.warmup_steps})")
+        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"{_SECTION}.schedule={self.schedule!r} decays over total_steps; set "
+                f"{_SECTION}.total_steps > warmup_steps (got {self.total_steps})"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"set {_SECTION}.min_lr_ratio in [0, 1] (got {self.min_lr_ratio})")
+        for key in ("ppo_epochs", "mini_batches", "max_tokens_per_micro_batch"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"set {_SECTION}.{key} to an integer >= 1 (got {value!r})")
+        if self.infer_max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"set {_SECTION}.infer_max_tokens_per_micro_batch >= 0 (0: same)")
+
+
+@dataclass(frozen=True)
+class PolicyTrainerSection(TrainerSection):
+    """learner.trainer: a trainer's keys, the AdamW constants, precision and kernels of both
+    trainers (the critic takes the learner's) and the policy's log-prob keys."""
+
+    # AdamW's moment decays
+    betas: tuple[float, float] = (0.9, 0.999)
+    # AdamW's epsilon
+    eps: float = 1e-8
+    # the flat optimizer's first moment (exp_avg) in bfloat16: 24 instead of 28 bytes a
+    # parameter per update and 2 bytes a parameter less memory (the update itself computes
+    # in float32 and stores the new moment rounded to nearest). As Megatron-core's
+    # precision-aware optimizer offers; the second moment stays float32 (its 0.999 decay
+    # would stall in bfloat16). Needs the flat optimizer (kernels "auto", one CUDA process)
+    exp_avg_dtype: Literal["float32", "bfloat16"] = "float32"
+    # precision and placement; "auto": float32 on CPU, bfloat16 params on CUDA
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # "auto": what the device supports (on CUDA: packed varlen micro-batches in bucketed
+    # shapes, compiled blocks, the Triton kernels of models/, CUDA graphs of the trunk in
+    # one process, the fused and flat AdamW; on CPU: padded micro-batches, eager), "off":
+    # the plain eager path (padded micro-batches, torch's AdamW). The same results either
+    # way, up to floating-point rounding (`kernel_switches`)
+    kernels: Kernels = "auto"
+    device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
+    # a batch the current weights sampled (every token of the learner's current version,
+    # staleness 0): its behaviour log-probs are the proximal ones, no forward for them
+    # (checked every tenth such step against the learner's)
+    reuse_behaviour_logprobs: bool = False
+    # every this many steps keep the weights for one step and score the tokens they sampled
+    # at the next (one more forward, one copy of the weights): the same-version mismatch
+    # when staleness >= 1 leaves few tokens of the current version; 0: off
+    mismatch_check_every: int = 10
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"set {_SECTION}.betas to two numbers in [0, 1) (got {self.betas})")
+        if self.param_dtype != "auto" and self.param_dtype not in _DTYPES:
+            raise ConfigError(f"set {_SECTION}.param_dtype to auto/float32/bfloat16/float16")
+        if self.exp_avg_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"set {_SECTION}.exp_avg_dtype to float32 or bfloat16 (got {self.exp_avg_dtype!r})"
+            )
+        if self.kernels not in ("auto", "off"):
+            raise ConfigError(f"set {_SECTION}.kernels to auto or off (got {self.kernels!r})")
+        if isinstance(self.mismatch_check_every, bool) or self.mismatch_check_every < 0:
+            raise ConfigError(f"set {_SECTION}.mismatch_check_every to an integer >= 0")
+
+
+@dataclass(frozen=True)
+class TrainerConfig(PolicyTrainerSection):
+    """What a trainer runs with: a section's keys and the switches that `resolve` derives
+    from its `kernels` and the device (a TrainerConfig built directly takes them as given:
+    the tests pick each one)."""
+
+    # AdamW's fused kernel: None = on CUDA for an unsharded model. Fused, the clip and the
+    # skip of a non-finite update happen on the device, with no host sync before the step
+    fused_optimizer: bool | None = None
+    # with the fused optimizer in one process and low-precision compute: masters, gradients
+    # and moments in flat buffers updated by one kernel (training/flat_adamw.py)
+    flat_optimizer: bool = True
     # with one optimizer step per update (1 epoch, 1 mini-batch) the proximal policy is the
     # training forward itself: take its log-probs (detached) instead of a separate forward
     fuse_proximal: bool = True
-    # a batch the current weights sampled (every token of the learner's current version,
-    # staleness 0): its behaviour log-probs are the proximal ones, no forward for them
-    reuse_behaviour_logprobs: bool = False
     # with reuse: every this many on-policy steps (the first too) run the forward anyway
     # and measure the engine/learner mismatch (their kernels differ)
     reuse_check_every: int = 10
     # with reuse: a measured mismatch KL above this stops the reuse for the run (logged)
     reuse_max_mismatch_kl: float = 1e-3
-    # every this many steps keep the weights for one step and score the tokens they sampled
-    # at the next (one more forward, one copy of the weights): the same-version mismatch
-    # when staleness >= 1 leaves few tokens of the current version; 0: off
-    mismatch_check_every: int = 10
-    # tokens of one forward/backward (gradients accumulate over micro-batches)
-    max_tokens_per_micro_batch: int = 4096
-    infer_max_tokens_per_micro_batch: int = 0  # no-grad forwards; 0: same as training
     # pack sequences end to end (varlen attention) instead of padding them
     padding_free: bool = True
     # > 0: packed micro-batches padded to a multiple of this many tokens (and cu_seqlens /
     # max_seqlen to powers of two) so CUDA graphs and compiled blocks see few shapes (CUDA's
     # varlen attention takes max_seqlen as a number: each new one recompiles); 0: no padding
     pack_bucket_tokens: int = 0
-    shuffle: bool = False  # permute samples each epoch (seeded by seed, step, epoch)
     # tokens per chunk of the output layer's log-prob pass (memory)
     logprob_chunk_tokens: int = 1024
     # keep a training micro-batch's (tokens, vocab) logits for backward instead of
     # recomputing them chunk by chunk: one GEMM less, 2 bytes * tokens * vocab more memory
     logprob_keep_logits: bool = False
     temperature: float = 1.0  # the sampler's, so PPO ratios use its distribution
-    # precision and placement; "auto": float32 on CPU, bfloat16 params on CUDA
-    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # dtype of FSDP's gradient reduction
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
-    # recompute each block in backward (memory for time)
-    activation_checkpointing: bool = False
     # torch.compile the trunk (see compile_scope, compile_mode)
     compile: bool = False
     # torch.compile mode of the trunk in a single process: "default", "reduce-overhead"
@@ -134,15 +198,14 @@ class TrainerConfig:
     # longest sequence): micro-batches of new lengths never recompile mid-run
     compile_dynamic: bool = True
     # torch.compile's backend: "inductor" (Triton/C++ kernels), or "aot_eager" to check
-    # what compiles without generating kernels (debugging, the CPU tests)
+    # what compiles without generating kernels (the CPU tests: CPU_COMPILE_ENV)
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     # the micro-batch's policy loss and metrics (training/loss_terms.py) as one compiled
     # function, dynamic shapes: a few fused kernels each way instead of ~190 small ones
     compile_loss: bool = False
     # inductor options of that compilation on top of the mode's, e.g.
-    # {"triton.mix_order_reduction" = false}: names and types
-    # as in torch._inductor.config (checked when the config is built); the sharded trainer
-    # compiles each block with them
+    # {"triton.mix_order_reduction": False}: names and types as in torch._inductor.config
+    # (checked when the trainer builds); the sharded trainer compiles each block with them
     compile_options: dict[str, bool | int | float | str] = dataclasses.field(default_factory=dict)
     # a single CUDA process: the packed training forward and backward of the trunk replayed
     # from CUDA graphs captured per bucketed shape (training/trunk_graphs.py): none of the
@@ -178,9 +241,11 @@ class TrainerConfig:
     tied_grad_rows: bool = True
     # reference model: None keeps one only when the algorithm needs it (KL loss / reward)
     keep_reference: bool | None = None
-    # reporting: peak FLOP/s of one device (0 disables MFU, e.g. on CPU)
+    # reporting: peak FLOP/s of one device (0 disables MFU, e.g. on CPU; `device_peak_flops`)
     peak_flops: float = 0.0
-    # seeds the shuffle of mini-batches (replay stays exact)
+    # dtype of FSDP's gradient reduction
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # seeds the shuffle of mini-batches (run.seed in a run: replay stays exact)
     seed: int = 0
 
     @classmethod
@@ -201,54 +266,20 @@ class TrainerConfig:
         return config
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first bad key."""
-        if not self.lr > 0:
-            raise ConfigError(f"set {_SECTION}.lr to a value > 0 (got {self.lr})")
-        if self.weight_decay < 0:
-            raise ConfigError(f"set {_SECTION}.weight_decay >= 0 (got {self.weight_decay})")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"set {_SECTION}.betas to two numbers in [0, 1) (got {self.betas})")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ConfigError(f"set {_SECTION}.grad_clip > 0 or null (got {self.grad_clip})")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(
-                f"set {_SECTION}.schedule to one of {SCHEDULES} (got {self.schedule!r})"
-            )
-        if self.warmup_steps < 0:
-            raise ConfigError(f"set {_SECTION}.warmup_steps >= 0 (got {self.warmup_steps})")
-        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
-            raise ConfigError(
-                f"{_SECTION}.schedule={self.schedule!r} decays over total_steps; set "
-                f"{_SECTION}.total_steps > warmup_steps (got {self.total_steps})"
-            )
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"set {_SECTION}.min_lr_ratio in [0, 1] (got {self.min_lr_ratio})")
-        for key in ("ppo_epochs", "mini_batches", "max_tokens_per_micro_batch"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"set {_SECTION}.{key} to an integer >= 1 (got {value!r})")
+        """Raise ConfigError naming the first bad key or switch."""
+        super().validate()
+        if self.reduce_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"set {_SECTION}.reduce_dtype to float32 or bfloat16")
         if isinstance(self.reuse_check_every, bool) or self.reuse_check_every < 1:
             raise ConfigError(f"set {_SECTION}.reuse_check_every to an integer >= 1")
-        if isinstance(self.mismatch_check_every, bool) or self.mismatch_check_every < 0:
-            raise ConfigError(f"set {_SECTION}.mismatch_check_every to an integer >= 0")
         if not self.reuse_max_mismatch_kl > 0:
             raise ConfigError(f"set {_SECTION}.reuse_max_mismatch_kl > 0")
         if self.pack_bucket_tokens < 0:
             raise ConfigError(f"set {_SECTION}.pack_bucket_tokens >= 0 (0: no padding)")
-        if self.infer_max_tokens_per_micro_batch < 0:
-            raise ConfigError(f"set {_SECTION}.infer_max_tokens_per_micro_batch >= 0 (0: same)")
         if self.logprob_chunk_tokens < 1:
             raise ConfigError(f"set {_SECTION}.logprob_chunk_tokens >= 1")
         if not self.temperature > 0:
             raise ConfigError(f"set {_SECTION}.temperature > 0 (got {self.temperature})")
-        if self.param_dtype != "auto" and self.param_dtype not in _DTYPES:
-            raise ConfigError(f"set {_SECTION}.param_dtype to auto/float32/bfloat16/float16")
-        if self.reduce_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"set {_SECTION}.reduce_dtype to float32 or bfloat16")
-        if self.exp_avg_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(
-                f"set {_SECTION}.exp_avg_dtype to float32 or bfloat16 (got {self.exp_avg_dtype!r})"
-            )
         if self.compile_scope not in ("trunk", "blocks"):
             raise ConfigError(f"set {_SECTION}.compile_scope to trunk or blocks")
         if self.compile_backend not in ("inductor", "aot_eager", "eager"):
@@ -276,18 +307,6 @@ class TrainerConfig:
             self._validate_trunk_graphs()
         if self.peak_flops < 0:
             raise ConfigError(f"set {_SECTION}.peak_flops >= 0 (0 disables MFU)")
-
-    def check_value_model(self, section: str) -> None:
-        """Refuse the keys that only the policy's loss and log-probs read, set on a value
-        model's trainer (the critic), where nothing would read them."""
-        default = TrainerConfig()
-        set_here = [k for k in POLICY_ONLY if getattr(self, k) != getattr(default, k)]
-        if set_here:
-            keys = ", ".join(f"{section}.{k}" for k in set_here)
-            raise ConfigError(
-                f"{keys} configure the policy's log-probs and loss; the value model has "
-                "none: remove them (set them on learner.trainer)"
-            )
 
     def _validate_trunk_graphs(self) -> None:
         if self.compile and self.compile_mode != "default":
@@ -370,14 +389,109 @@ def _check_inductor_options(options: Mapping[str, Any]) -> None:
             )
 
 
-def policy_config(config: PipelineConfig) -> TrainerConfig:
+def kernel_switches(
+    kernels: Kernels, device_type: str, *, sharded: bool, policy: bool
+) -> dict[str, Any]:
+    """The `TrainerConfig` switches that `kernels` stands for on a device of this type (the
+    others keep their defaults). None changes what a step computes, only how: the results
+    agree up to floating-point rounding."""
+    if kernels == "off":
+        return {"padding_free": False, "fused_optimizer": False, "flat_optimizer": False}
+    if device_type != "cuda":
+        backend = os.environ.get(CPU_COMPILE_ENV, "")
+        if not backend:
+            # on CPU a padded micro-batch beats padding-free packing (its block-diagonal
+            # mask is dense)
+            return {"padding_free": False}
+        # the CPU tests' compiled trainer: the blocks compiled, no kernels generated
+        return {
+            "padding_free": True,
+            "compile": True,
+            "compile_backend": backend,
+            "compile_scope": "blocks",
+            "compile_loss": policy,
+        }
+    switches: dict[str, Any] = {
+        "padding_free": True,
+        "pack_bucket_tokens": 1024,
+        "compile": True,
+        # one block compiled for every layer: the start-up compiles one block, not the
+        # whole trunk (inductor's CUDA graph trees cannot replay one block's graph for
+        # every layer: default mode, and CUDA graphs of our own)
+        "compile_scope": "blocks",
+        "trunk_graphs": not sharded,
+        "fused_rope": True,
+        "packed_mlp": True,
+        "fused_norm": True,
+    }
+    if policy:
+        switches |= {
+            "compile_loss": True,
+            "logprob_keep_logits": True,
+            "logprob_chunk_tokens": 4096,
+            # the policy's step was measured without it (docs/performance.md)
+            "compile_options": {"triton.mix_order_reduction": False},
+        }
+    return switches
+
+
+def device_type(device: str) -> str:
+    """cuda or cpu: what `device` ("auto", "cpu", "cuda:1", ...) computes on."""
+    if device != "auto":
+        return device.split(":")[0]
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_peak_flops(kind: str) -> float:
+    """Peak dense bf16 FLOP/s of this process's CUDA device by its name (PEAK_FLOPS); 0, no
+    MFU, on CPU or an unknown device."""
+    if kind != "cuda":
+        return 0.0
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((flops for part, flops in PEAK_FLOPS if part in name), 0.0)
+
+
+# the critic's keys that are the learner's (PolicyTrainerSection)
+SHARED_WITH_CRITIC = ("betas", "eps", "exp_avg_dtype", "param_dtype", "kernels", "device")
+
+
+def resolve(config: PipelineConfig, role: str, device: str = "") -> TrainerConfig:
+    """The trainer config of `role` (learner or critic) in a run: its section's keys (the
+    critic's precision and kernels the learner's), the switches derived from `kernels` on the
+    device it computes on (`device`, else the section's), the device's peak FLOP/s and the
+    run's seed. A process of several ranks (torchrun) is sharded."""
+    policy = role == "learner"
+    section: TrainerSection = config.learner.trainer if policy else config.critic.trainer
+    keys = {f.name: getattr(section, f.name) for f in fields(section)}
+    keys |= {k: getattr(config.learner.trainer, k) for k in SHARED_WITH_CRITIC}
+    keys["device"] = device or keys["device"]
+    kind = device_type(keys["device"])
+    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    switches = kernel_switches(keys["kernels"], kind, sharded=sharded, policy=policy)
+    trainer = TrainerConfig(
+        **keys, **switches, peak_flops=device_peak_flops(kind), seed=config.run.seed
+    )
+    trainer.validate()
+    return trainer
+
+
+def critic_config(config: PipelineConfig) -> TrainerConfig:
+    """The value model's trainer settings."""
+    return resolve(config, "critic")
+
+
+def policy_config(config: PipelineConfig, device: str = "") -> TrainerConfig:
     """The learner's trainer settings, with the sampler's temperature (PPO ratios and the
     mismatch metrics compare log-probs of the distribution the engine actually sampled;
     greedy engines report temperature-1 log-probs) and a reference model only when the
     reference is hosted in the learner."""
     temperature = config.rollout.temperature or 1.0
     return dataclasses.replace(
-        config.learner.trainer,
+        resolve(config, "learner", device),
         temperature=temperature,
         keep_reference=config.reference_host() == "learner",
     )
@@ -386,4 +500,4 @@ def policy_config(config: PipelineConfig) -> TrainerConfig:
 def reference_config(config: PipelineConfig, device: str) -> TrainerConfig:
     """The reference's forward: the policy's settings (same temperature, packing and
     precision, so its log-probs compare with the learner's) on the host's device."""
-    return dataclasses.replace(policy_config(config), device=device, keep_reference=False)
+    return dataclasses.replace(policy_config(config, device), keep_reference=False)

@@ -41,7 +41,7 @@ class ChannelConfig:
 
     def validate(self) -> None:
         if self.prefetch < 1:
-            raise ConfigError("queue prefetch must be >= 1 (set queues.prefetch to e.g. 8)")
+            raise ConfigError("queue prefetch must be >= 1")
         if self.max_pending < 1:
             raise ConfigError("queue max_pending must be >= 1")
         if self.peer_timeout_s <= 2 * self.heartbeat_s:

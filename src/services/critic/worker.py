@@ -23,7 +23,7 @@ from pipeline.log import get_logger
 from pipeline.runtime.checkpoint_clock import CheckpointClock
 from pipeline.runtime.ranks import decode_groups
 from pipeline.training.batch import ExperienceBatch
-from pipeline.training.config import reference_config
+from pipeline.training.config import critic_config, reference_config
 from pipeline.training.warm_up import Recompiles, warm_up
 from pipeline.wire.messages import RankCommand, RankOp
 from pipeline.wire.samples import GroupArrays
@@ -50,10 +50,10 @@ def critic_parts(config: PipelineConfig, directory: Path) -> tuple[Any, Any]:
     torch.set_num_threads(max(1, config.run.torch_threads))
     # whitening belongs to the learner, over the whole step's batch
     algorithm = dataclasses.replace(config.algorithm, whiten_advantages=False)
-    trainer = CriticTrainer(str(directory), config.critic.trainer, algorithm)
+    trainer = CriticTrainer(str(directory), critic_config(config), algorithm)
     reference = None
     if config.reference_host() == "critic":
-        ref = reference_config(config, config.critic.trainer.device)
+        ref = reference_config(config, trainer.config.device)
         reference = ReferencePolicy(str(directory), ref, dist=trainer.info)
     warm_up(get_logger("critic_worker"), config, [trainer, reference])
     return trainer, reference
@@ -77,10 +77,11 @@ class CriticWorker:
         self.reference: Any = None
         self.kl_ctrl: Any = None
         self.recompiles = Recompiles()
-        critic = self.config.critic
-        # every rank decides alike: by seconds only in one process (ranks' clocks differ)
-        every_s = critic.checkpoint_every_s if getattr(ctx, "ranks", None) is None else 0.0
-        self.clock = CheckpointClock(critic.checkpoint_every, every_s)
+        # every rank decides alike: by seconds only in one process (ranks' clocks differ);
+        # the clock is the learner's
+        learner = self.config.learner
+        every_s = learner.checkpoint_every_s if getattr(ctx, "ranks", None) is None else 0.0
+        self.clock = CheckpointClock(self.config.critic.checkpoint_every, every_s)
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""
@@ -194,7 +195,7 @@ class CriticWorker:
             "last_update": self.last_update,
         }
         self.trainer.save_checkpoint(
-            self.checkpoints, extra=extra, keep_last=self.config.critic.keep_checkpoints
+            self.checkpoints, extra=extra, keep_last=self.config.learner.keep_checkpoints
         )
         self.clock.saved(self.steps)
 

@@ -297,15 +297,11 @@ def build_engine(ctx: Any) -> Any:
     device = engine_device(config)
     options: dict[str, Any] = {}
     if config.rollout.engine == "torch" and device == "cuda":
-        options = {
-            "use_cuda_graphs": config.rollout.cuda_graphs,
-            "compile": config.rollout.compile,
-            "overlap": config.rollout.overlap,
-            "decode_kernel": None if config.rollout.decode_kernel else False,  # None: auto
-            "sample_kernel": None if config.rollout.sample_kernel else False,
-        }
+        fast = config.rollout.kernels == "auto"
+        options = {"use_cuda_graphs": fast, "compile": fast, "overlap": fast}
+        if not fast:  # None, the engine's default: wherever the kernels run
+            options |= {"decode_kernel": False, "sample_kernel": False}
     if config.rollout.engine == "torch":
-        options["shared_prefill"] = config.rollout.shared_prefill
         options["kv_on_update"] = config.rollout.kv_on_update
     if config.rollout.engine == "torch" and ctx.ranks is not None:
         options["tp"] = tp_group(ctx)
@@ -344,9 +340,8 @@ async def start_engine(ctx: Any) -> EngineRunner:
         tokenizer,
         asyncio.get_running_loop(),
         ignore_eos=rollout.ignore_eos,
-        burst_quiet_s=rollout.admit_quiet_ms / 1000,
     )
-    if device == "cuda" and (rollout.compile or rollout.cuda_graphs):
+    if device == "cuda" and rollout.kernels == "auto":
         seconds = await runner.warm_up(
             prompts_in_flight(config),
             rollout.n_samples,

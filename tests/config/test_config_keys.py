@@ -1,0 +1,33 @@
+"""`pipeline config keys`: a config a user can read. Every key has its doc (the schema's
+comment on it), and there are few enough keys to read them all."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.commands.config_cmd import schema_rows
+from pipeline.config import PipelineConfig
+
+# the keys of issue 55's "config a user can read", at most
+MAX_KEYS = 130
+
+
+def test_every_key_has_a_doc():
+    rows = schema_rows(PipelineConfig, PipelineConfig())
+    undocumented = [key for key, _, doc in rows if not doc.strip()]
+    assert not undocumented, f"keys without a comment in the schema: {undocumented}"
+
+
+# the kernel switches, the critic's policy keys, peak_flops, the channel's internals and
+# the supervisor's backoffs are gone (215 -> 138); rollout.ignore_eos (the benches' and a
+# few runtime tests') still waits for a per-row option, and a few more
+@pytest.mark.xfail(strict=True, reason="138 keys: the last cuts are still to come")
+def test_the_config_has_at_most_max_keys():
+    rows = schema_rows(PipelineConfig, PipelineConfig())
+    assert len(rows) <= MAX_KEYS, f"{len(rows)} keys: {[key for key, _, _ in rows]}"
+
+
+def test_an_inherited_key_keeps_its_doc():
+    rows = {key: doc for key, _, doc in schema_rows(PipelineConfig, PipelineConfig())}
+    # learner.trainer's lr is declared on the critic's section type, which it extends
+    assert rows["learner.trainer.lr"] and rows["learner.trainer.lr"] == rows["critic.trainer.lr"]

@@ -14,8 +14,8 @@ from pipeline.config.profile import load_config
 from pipeline.transport.control import ControlServer
 from pipeline.transport.queue_server import QueueServer
 from pipeline.wire.messages import StepDone
-from services.controller.service import Controller
 from services.controller import service as controller_module
+from services.controller.service import Controller
 
 
 async def _wait_for(condition, seconds: float) -> None:

@@ -20,7 +20,8 @@ GPU = re.compile(
 )
 # a number with a unit of time or a rate; a bare "s" or "seconds" only when approximate
 # ("~0.3 s"), so "2 s, doubling to 30 s" (a backoff) or "timeout in seconds" pass
-NUMBER = r"\d[\d.,]*"
+# a number on its own, not the digits of a name ("bf16", "fp8")
+NUMBER = r"(?<![\w.])\d[\d.,]*"
 TIMING = re.compile(
     rf"{NUMBER}\s*(?:ms|µs|us|ns)\b"
     rf"|{NUMBER}\s*(?:s|sec|seconds?)\s*(?:/\s*\w|per\b|a step\b)"
@@ -93,6 +94,8 @@ def test_patterns():
     assert not TIMING.search("a 0.5B model, 8 warps, 256 rows")
     assert not GPU.search("GPU memory in GiB, a 7B model  # noqa: B027")
     assert not TIMING.search("peak FLOP/s of one device")
+    assert not TIMING.search("peak dense bf16 FLOP/s of one device")
+    assert TIMING.search("989 TFLOP/s dense")
 
 
 @pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))

@@ -21,7 +21,6 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 # structs outside the wire: none crosses a process boundary
 NOT_WIRE = {
     "pipeline/data/cursor.py": {"CursorState"},  # the dataset cursor in a checkpoint file
-    "pipeline/data/gsm8k.py": {"_Worked", "GSM8KFixturePaths"},  # parsing the dataset's rows
     "pipeline/data/records.py": {"PromptRecord"},  # a dataset row, read in the process
     "pipeline/envs/types.py": {"StepResult"},  # an environment's answer, inside its worker
     "pipeline/rewards/format.py": {"FormatReward"},  # a reward's options

@@ -409,7 +409,6 @@ def kernel_switches(
             "compile": True,
             "compile_backend": backend,
             "compile_scope": "blocks",
-            "compile_loss": policy,
         }
     switches: dict[str, Any] = {
         "padding_free": True,

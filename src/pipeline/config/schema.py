@@ -404,12 +404,9 @@ class MetricsConfig:
     # live TensorBoard events of every step in runs/<name>/tensorboard/
     tensorboard: bool = True
     # every step's metrics to Weights & Biases too (needs the wandb package: the `wandb`
-    # extra); "offline" writes the run under runs/<name>/wandb/ for `wandb sync` later
+    # extra); wandb's WANDB_PROJECT and WANDB_MODE apply, else project "asyncrl" and mode
+    # "offline" (the run under runs/<name>/wandb/ for `wandb sync` later)
     wandb: bool = False
-    # the W&B project the run is logged in
-    wandb_project: str = "asyncrl"
-    # offline (no network; `wandb sync` later) or online
-    wandb_mode: Literal["offline", "online"] = "offline"
 
     def validate(self) -> None:
         if self.wandb:

@@ -540,7 +540,7 @@ def case_critic_kill_and_resume(tmp_path: Path) -> None:
         killed.append(pid)
 
     run = run_pipeline(
-        tmp_path, PPO, {"critic.checkpoint_every": "1", "controller.steps": "8"}, during=during
+        tmp_path, PPO, {"learner.checkpoint_every": "1", "controller.steps": "8"}, during=during
     )
     assert killed
     lines = [json.loads(x) for x in run.log("critic-0").splitlines() if x.startswith("{")]

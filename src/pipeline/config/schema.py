@@ -347,7 +347,8 @@ class WeightSyncSection:
 @dataclass(frozen=True)
 class LearnerConfig:
     trainer: PolicyTrainerSection = field(default_factory=lambda: PolicyTrainerSection(lr=1e-5))
-    # save a checkpoint every this many steps (0: only at the end of the run)
+    # save a checkpoint every this many steps (0: only at the end of the run); the critic
+    # saves its value model, optimizer and KL controller every this many value updates
     checkpoint_every: int = 0
     # and every this many seconds since the last save (0: off): what a crash may lose
     checkpoint_every_s: float = 300.0
@@ -361,10 +362,6 @@ class CriticConfig:
     # a learned value model (needed by gae and vtrace)
     enabled: bool = True
     trainer: TrainerSection = field(default_factory=lambda: TrainerSection(lr=1e-4))
-    # save the value model, optimizer, schedule and KL controller every this many value
-    # updates (0: only at the end of the run); a restarted critic resumes from the latest.
-    # Its clock (checkpoint_every_s) and the checkpoints kept are the learner's
-    checkpoint_every: int = 0
     # groups that arrived while the critic was busy, annotated in one forward (at most this
     # many, never across a value update): fewer, larger forwards. 1: one group a forward.
     # An adaptive KL controller (algorithm.kl_ctrl_type) then updates once per forward.
@@ -593,11 +590,7 @@ class PipelineConfig:
                 "learner and engines share a GPU here (CUDA IPC): set it to false"
             )
         _seconds("learner.checkpoint_every_s", self.learner.checkpoint_every_s, zero=True)
-        for key in (
-            "learner.checkpoint_every",
-            "learner.keep_checkpoints",
-            "critic.checkpoint_every",
-        ):
+        for key in ("learner.checkpoint_every", "learner.keep_checkpoints"):
             section, name = key.split(".")
             value = getattr(getattr(self, section), name)
             low = 1 if name == "keep_checkpoints" else 0

@@ -326,11 +326,6 @@ class WeightSyncSection:
     striped: bool = False
     # size of one broadcast bucket (MiB; fractions for small models)
     bucket_mb: float = 1024.0
-    # seconds for the engines to join a new weight group (after a member came or went)
-    group_timeout_s: float = 60.0
-    # seconds for every engine to check an update's metadata and answer; a silent engine
-    # is left out of that update (it keeps its version) and rejoins when it registers again
-    meta_timeout_s: float = 30.0
     # seconds one bucket's broadcast may take
     bucket_timeout_s: float = 120.0
     # seconds for every engine to apply the update at its next safe point and say so
@@ -339,7 +334,7 @@ class WeightSyncSection:
     def validate(self) -> None:
         if not self.bucket_mb * (1 << 20) >= 64:
             raise ConfigError("learner.weights.bucket_mb must be at least 64 bytes' worth")
-        for key in ("group_timeout_s", "meta_timeout_s", "bucket_timeout_s", "apply_timeout_s"):
+        for key in ("bucket_timeout_s", "apply_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"learner.weights.{key} must be > 0 (seconds)")
 

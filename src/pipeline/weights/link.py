@@ -56,15 +56,13 @@ def publish_config(config: PipelineConfig) -> Any:
     shared = config.shares_device("rollout", "learner")
     section = config.learner.weights
     return PublishConfig(
-        bucket_bytes=int(section.bucket_mb * (1 << 20)),
+        bucket_mb=section.bucket_mb,
         dtype=getattr(torch, config.model.dtype),
         striped=section.striped,
         transport="cuda_ipc" if shared else "auto",
         timeouts=SyncTimeouts(
-            group_s=section.group_timeout_s,
-            meta_s=section.meta_timeout_s,
-            bucket_s=section.bucket_timeout_s,
-            apply_s=section.apply_timeout_s,
+            bucket_timeout_s=section.bucket_timeout_s,
+            apply_timeout_s=section.apply_timeout_s,
         ),
         group=group_options(config, "learner"),
     )

@@ -431,8 +431,7 @@ def case_striped_sync_fsdp_2(tmp_path: Path) -> None:
         tmp_path,
         GRPO,
         {
-            "services.learner.fsdp_size": "2",
-            "learner.weights.striped": "true",
+            "services.learner.fsdp_size": "2",  # two learner ranks: striped senders
             # several buckets, so that each rank has a stripe of its own to send
             "learner.weights.bucket_mb": "0.02",
             "controller.max_staleness": "0",

@@ -321,10 +321,8 @@ class EnvironmentConfig:
 
 @dataclass(frozen=True)
 class WeightSyncSection:
-    # every learner rank gathers and broadcasts only its stripe of the buckets (fsdp_size
-    # > 1 over NCCL or gloo; not with CUDA IPC) instead of rank 0 sending them all
-    striped: bool = False
-    # size of one broadcast bucket (MiB; fractions for small models)
+    # size of one broadcast bucket (MiB; fractions for small models). A sharded learner
+    # (fsdp_size > 1, over NCCL or gloo) sends striped: each rank its own buckets' share
     bucket_mb: float = 1024.0
     # seconds one bucket's broadcast may take
     bucket_timeout_s: float = 120.0
@@ -579,11 +577,6 @@ class PipelineConfig:
 
     def _validate_trainers(self) -> None:
         self.learner.weights.validate()
-        if self.learner.weights.striped and self.shares_device("rollout", "learner"):
-            raise ConfigError(
-                "learner.weights.striped needs a collective transport (NCCL or gloo); "
-                "learner and engines share a GPU here (CUDA IPC): set it to false"
-            )
         _seconds("learner.checkpoint_every_s", self.learner.checkpoint_every_s, zero=True)
         for key in ("learner.checkpoint_every", "learner.keep_checkpoints"):
             section, name = key.split(".")

@@ -105,8 +105,6 @@ class PoolConfig:
     kind: Literal["cpu", "cuda"] = "cpu"
     # the GPU indices of a cuda pool (CUDA_VISIBLE_DEVICES of its replicas)
     devices: list[int] = field(default_factory=list)
-    # free-form label of the device model, for the report
-    device_name: str = ""
 
 
 @dataclass(frozen=True)

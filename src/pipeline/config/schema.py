@@ -244,9 +244,6 @@ class RolloutConfig:
     n_samples: int = 4
     # the longest response in tokens; a dataset row's `max_new_tokens` may ask for fewer
     max_new_tokens: int = 16
-    # benchmarks: the tokenizer's end-of-sequence token does not end a sample, only the
-    # response limit does (every sample the same length; vLLM's ignore_eos)
-    ignore_eos: bool = False
     # sampling temperature (0: greedy); the learner computes its log-probs at it
     temperature: float = 1.0
     # nucleus sampling mass (1: off)

@@ -243,11 +243,21 @@ def shape_model(shape: str, directory: Path, device: str) -> list[str]:
     return ["--model.path", str(directory), "--task.warm_start_steps", "0"]
 
 
+def _rows_ignore_eos(dataset: str) -> bool:
+    """Every row of the run's dataset file runs its samples past end-of-sequence."""
+    if not Path(dataset).is_file():  # a built-in task: its samples end at EOS
+        return False
+    from pipeline.data.loader import load_prompts
+
+    return all(record.ignore_eos for record in load_prompts(dataset))
+
+
 def decode_bound(run_dir: Path, result: dict[str, float], shape: str, bandwidth: float):
     """The rollout phase's generated tokens/s against the decode memory bound of
     rollout_decode (every weight and each sample's cached keys and values read once a decode
     step, at the copy bandwidth measured in this bench): where every sample runs to
-    max_new_tokens (ignore_eos) and one engine decodes a step's samples at once."""
+    max_new_tokens (every row of the dataset says ignore_eos) and one engine decodes a
+    step's samples at once."""
     import torch
 
     from bench.rollout_decode import (
@@ -261,7 +271,7 @@ def decode_bound(run_dir: Path, result: dict[str, float], shape: str, bandwidth:
 
     config = config_from_json((run_dir / "config.json").read_text())
     batch = round(result["samples_per_step"])
-    if not config.rollout.ignore_eos or batch > config.rollout.max_batch:
+    if not _rows_ignore_eos(config.task.dataset) or batch > config.rollout.max_batch:
         return {}
     model_config = SHAPES[shape]
     dtype = getattr(torch, config.model.dtype)

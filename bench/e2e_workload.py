@@ -1,6 +1,6 @@
 """The one-GPU e2e workloads (docs/performance.md): a random 0.5B-shape model, 32 prompts of
 62 tokens x 8 samples a step, eight optimizer steps a step, a KL loss to the reference;
-GRPO (critic off) or KL-PPO with the critic. End-of-sequence is ignored, so each sample
+GRPO (critic off) or KL-PPO with the critic. Every row says `ignore_eos`, so each sample
 runs to its prompt's budget: 256 new tokens for every prompt (`fixed`), or a budget per
 prompt from a lognormal capped at `cap` (`long-tail`: median cap / 4, sigma 0.8; a
 prompt's samples share it), the long tail of response lengths that reasoning tasks have.
@@ -21,7 +21,6 @@ FIXED_TOKENS = 256
 WORKLOAD = [
     "--controller.prompts_per_step", "32",
     "--rollout.n_samples", "8",
-    "--rollout.ignore_eos", "true",
     "--learner.trainer.mini_batches", "8",
     "--algorithm.use_kl_loss", "true",
     "--algorithm.kl_loss_coef", "0.001",
@@ -54,7 +53,8 @@ def write_prompts(
     budgets: list[int] | None = None,
 ) -> Path:
     """ROWS toy_reverse prompts of exactly `tokens` tokens under the model's tokenizer,
-    row i with response budget `budgets[i]` when given."""
+    each ignoring end-of-sequence (its samples run to its budget), row i with response
+    budget `budgets[i]` when given."""
     from pipeline.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
@@ -73,6 +73,7 @@ def write_prompts(
                 "data_source": "toy_reverse",
                 "prompt": prompt,
                 "reward_model": {"ground_truth": digits[::-1]},
+                "ignore_eos": True,
             }
             if budgets is not None:
                 row["max_new_tokens"] = budgets[i]

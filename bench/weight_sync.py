@@ -107,8 +107,11 @@ def _baseline_group(store: Any, rank: int, members: list[str], device: torch.dev
 
 def _timeouts() -> Any:
     from pipeline.weights import SyncTimeouts
+    from pipeline.weights import config as deadlines
 
-    return SyncTimeouts(group_s=120, meta_s=120, bucket_s=600, apply_s=600)
+    # generous deadlines for large models; the group's and the metadata's are constants
+    deadlines.GROUP_TIMEOUT_S = deadlines.META_TIMEOUT_S = 120.0
+    return SyncTimeouts(bucket_timeout_s=600, apply_timeout_s=600)
 
 
 def _learner(rank: int, args: argparse.Namespace, endpoint: str, port: int, queue: Any) -> None:
@@ -148,7 +151,7 @@ def _learner(rank: int, args: argparse.Namespace, endpoint: str, port: int, queu
     if hub is not None and len(hub.wait_for_members(args.engines, 300)) < args.engines:
         raise SystemExit("engines did not register")
     config = PublishConfig(
-        bucket_bytes=int(args.bucket_mb * (1 << 20)),
+        bucket_mb=args.bucket_mb,
         striped=args.striped,
         transport=transport if transport == "cuda_ipc" else "auto",
         timeouts=_timeouts(),

@@ -322,7 +322,8 @@ def test_e2e_preset_cpu(tmp_path: Path) -> None:
     assert config["gen_tokens_per_s"] == pytest.approx(tokens, rel=1e-4)  # from rounded seconds
     assert 0 < config["decode_bound_fraction"] < 1 and config["copy_bandwidth_bytes_per_s"] > 0
     run_config = json.loads((runs / "e2e-local-cpu-ppo-s0/config.json").read_text())
-    assert run_config["task"]["max_prompt_tokens"] == 62 and run_config["rollout"]["ignore_eos"]
+    # the rows ignore end-of-sequence (the decode bound above needs every sample at 6 tokens)
+    assert run_config["task"]["max_prompt_tokens"] == 62
     assert run_config["algorithm"]["use_kl_loss"] and run_config["critic"]["enabled"]
 
 
@@ -337,6 +338,7 @@ def test_the_e2e_workload_prompts_have_62_tokens(tmp_path: Path) -> None:
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(rows) == ROWS and len({r["prompt"] for r in rows}) == ROWS
     assert {len(tokenizer.encode(r["prompt"])) for r in rows} == {62}
+    assert all(r["ignore_eos"] is True for r in rows)  # every sample runs to its budget
 
 
 def test_a_variant_may_set_an_inline_table() -> None:

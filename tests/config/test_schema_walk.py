@@ -113,7 +113,6 @@ def _load(profile: str, **overrides: str) -> PipelineConfig:
             {"reference.host": "service", "algorithm.kl_penalty_in_reward": "true"},
             "needs a [services.reference] placement",
         ),
-        ("h200-single.toml", {"learner.weights.striped": "true"}, "share a GPU here (CUDA IPC)"),
         ("local-cpu.toml", {"learner.keep_checkpoints": "0"}, "learner.keep_checkpoints must be"),
         (
             "local-cpu.toml",

@@ -20,7 +20,6 @@ REFUSED = {
     "rollout.top_k": ["0"],
     "learner.checkpoint_every": ["-1"],
     "learner.keep_checkpoints": ["0"],
-    "critic.checkpoint_every": ["-2"],
     "reward.timeout_s": ["-1", "0"],
     "supervisor.max_restarts": ["-1"],
     "supervisor.stop_timeout_s": ["0"],

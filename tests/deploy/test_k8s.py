@@ -77,10 +77,10 @@ def test_one_workload_per_role(profile, render):
         if pool.kind == "cuda":
             want = placement.devices_per_replica or len(pool.devices)
             assert limits["nvidia.com/gpu"] == want
-            assert selector.get("nvidia.com/gpu.product") == (pool.device_name or None)
         else:
             assert "nvidia.com/gpu" not in limits
-            assert "nvidia.com/gpu.product" not in selector
+        # the pool's label alone places a pod: the nodes labelled for a pool are its GPUs'
+        assert selector == {f"pipeline/pool-{placement.pool}": "true"}
         if config.ranks_per_replica(role) > 1:  # a sharded trainer, a TP engine
             nproc = placement.fsdp_size if role in ("learner", "critic") else placement.tp
             assert container["command"][0] == "torchrun"

@@ -431,8 +431,7 @@ def case_striped_sync_fsdp_2(tmp_path: Path) -> None:
         tmp_path,
         GRPO,
         {
-            "services.learner.fsdp_size": "2",
-            "learner.weights.striped": "true",
+            "services.learner.fsdp_size": "2",  # two learner ranks: striped senders
             # several buckets, so that each rank has a stripe of its own to send
             "learner.weights.bucket_mb": "0.02",
             "controller.max_staleness": "0",
@@ -495,6 +494,15 @@ def _pause_rollout(
     return during
 
 
+# every process of the run takes short deadlines for the weight group and the metadata
+# round (module constants): tests/e2e/short_sync/sitecustomize.py patches them in
+SHORT_SYNC = {
+    "PYTHONPATH": os.pathsep.join(
+        p for p in [str(Path(__file__).parent / "short_sync"), os.environ.get("PYTHONPATH")] if p
+    )
+}
+
+
 @pytest.mark.parametrize("bound", [0, 1, 2])
 def case_staleness(tmp_path: Path, bound: int) -> None:
     run = run_pipeline(
@@ -504,8 +512,6 @@ def case_staleness(tmp_path: Path, bound: int) -> None:
             "controller.max_staleness": str(bound),
             "controller.steps": "12",
             "services.rollout.replicas": "2",
-            "learner.weights.group_timeout_s": "2",
-            "learner.weights.meta_timeout_s": "1",
             "learner.weights.bucket_timeout_s": "1",
             "learner.weights.apply_timeout_s": "1",
             # a paused replica is slow, not dead: its prompts stay with it
@@ -515,6 +521,7 @@ def case_staleness(tmp_path: Path, bound: int) -> None:
             "learner.trainer.ppo_epochs": "6",
         },
         during=_pause_rollout(8.0, at_groups=4 * (bound + 1)),
+        env=SHORT_SYNC,  # the group's 2 s and the metadata's 1 s
     )
     worst = _versions_within_bound(run, bound)
     assert run.summary["dropped"] > 0, run.summary
@@ -540,7 +547,7 @@ def case_critic_kill_and_resume(tmp_path: Path) -> None:
         killed.append(pid)
 
     run = run_pipeline(
-        tmp_path, PPO, {"critic.checkpoint_every": "1", "controller.steps": "8"}, during=during
+        tmp_path, PPO, {"learner.checkpoint_every": "1", "controller.steps": "8"}, during=during
     )
     assert killed
     lines = [json.loads(x) for x in run.log("critic-0").splitlines() if x.startswith("{")]

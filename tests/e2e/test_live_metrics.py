@@ -35,6 +35,8 @@ def test_tensorboard_is_live_steps_are_written_once_and_wandb_runs_offline(tmp_p
     cmd += ["--services.reward.replicas", "1", "--metrics.wandb", "true"]
     out = (tmp_path / "run.log").open("wb")
     env = dict(os.environ, PIPELINE_LOG_JSON="1", WANDB_SILENT="true")
+    for name in ("WANDB_MODE", "WANDB_PROJECT"):  # unset: our defaults, project asyncrl offline
+        env.pop(name, None)
     proc = subprocess.Popen(
         cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )

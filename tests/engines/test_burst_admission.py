@@ -27,14 +27,14 @@ def _steps(tmp_path, **window: float) -> tuple[int, list[int]]:
     engine = TorchEngine(model, TorchEngineConfig(max_batch=16, max_seq_len=64, seed=0))
 
     async def main() -> list:
-        runner = EngineRunner(
-            engine, tokenizer, asyncio.get_running_loop(), ignore_eos=True, **window
-        )
+        runner = EngineRunner(engine, tokenizer, asyncio.get_running_loop(), **window)
         ref = TensorRef(dtype="int32", shape=(6,), frame=0)
         calls = []
         try:
             for k in range(PROMPTS):
-                prompt = Prompt(uid=f"p{k}", prompt_ids=ref, n_samples=2, max_new_tokens=NEW)
+                prompt = Prompt(
+                    uid=f"p{k}", prompt_ids=ref, n_samples=2, max_new_tokens=NEW, ignore_eos=True
+                )
                 calls.append(asyncio.ensure_future(runner.generate(prompt, np.arange(k, k + 6))))
                 await asyncio.sleep(0.02)
             return await asyncio.gather(*calls)

@@ -1,4 +1,5 @@
-"""A jsonl dataset of toy reversal rows, each with its own response budget or none."""
+"""A jsonl dataset of toy reversal rows, each with its own response budget or none, and
+ignoring end-of-sequence or not."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import json
 from pathlib import Path
 
 
-def budget_rows(path: Path, budgets: list[object]) -> Path:
+def budget_rows(path: Path, budgets: list[object], *, ignore_eos: object = None) -> Path:
     """Row i reverses the digits of 100 + i; `budgets[i]` is its `max_new_tokens` (None:
-    the row carries none)."""
+    the row carries none); `ignore_eos`, when given, every row's `ignore_eos` (a list: row
+    i's, None for none)."""
     with path.open("w") as out:
         for i, budget in enumerate(budgets):
             digits = f"{100 + i}"
@@ -20,5 +22,8 @@ def budget_rows(path: Path, budgets: list[object]) -> Path:
             }
             if budget is not None:
                 row["max_new_tokens"] = budget
+            flag = ignore_eos[i] if isinstance(ignore_eos, list) else ignore_eos
+            if flag is not None:
+                row["ignore_eos"] = flag
             out.write(json.dumps(row) + "\n")
     return path

@@ -65,23 +65,24 @@ def test_the_prompt_sent_carries_the_rows_budget_or_the_runs_limit(tmp_path):
 
 
 def test_a_run_gives_each_prompt_its_budget_and_records_it(tmp_path):
-    """Responses that never stop (EOS ignored) end exactly at their row's budget."""
+    """Responses that never stop (each row says ignore_eos) end exactly at their row's
+    budget."""
     budgets = [3, 9, None, 5] * 4
-    data = budget_rows(tmp_path / "data.jsonl", budgets)
+    data = budget_rows(tmp_path / "data.jsonl", budgets, ignore_eos=True)
     runs = tmp_path / "runs"
     cmd = [
         sys.executable, "-m", "pipeline.cli", "run", "--no-progress",
         "--profile", str(REPO / "profiles/local-cpu.toml"),
         "--name", "budgets", "--run.runs_dir", str(runs),
         "--task.dataset", str(data), "--task.warm_start_steps", "0",
-        "--rollout.max_new_tokens", "7", "--rollout.ignore_eos", "true",
+        "--rollout.max_new_tokens", "7",
         "--rollout.n_samples", "2", "--controller.prompts_per_step", "8",
         "--controller.steps", "2", "--services.reward.replicas", "1",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     # a budget above the run's limit: refused before any service starts
     assert proc.returncode != 0 and "max_new_tokens 9" in proc.stdout + proc.stderr
-    data = budget_rows(tmp_path / "data.jsonl", [3, 6, None, 5] * 4)
+    data = budget_rows(tmp_path / "data.jsonl", [3, 6, None, 5] * 4, ignore_eos=True)
     cmd[cmd.index("budgets")] = "budgets-ok"
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

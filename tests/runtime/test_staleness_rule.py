@@ -39,12 +39,12 @@ def test_long_samples_that_span_updates_are_trained_not_dropped(tmp_path):
     """One prompt in eight runs for hundreds of tokens (EOS ignored) while the others end
     after three: the learner moves on several versions while a long one is generated. Under
     the bound on the oldest token they were dropped; now each is trained."""
-    data = budget_rows(tmp_path / "data.jsonl", [400, 3, 3, 3, 3, 3, 3, 3] * 8)
+    data = budget_rows(tmp_path / "data.jsonl", [400, 3, 3, 3, 3, 3, 3, 3] * 8, ignore_eos=True)
     run = cli_run(
         tmp_path / "runs",
         "span",
         *("--task.dataset", str(data), "--task.warm_start_steps", "0"),
-        *("--rollout.max_new_tokens", "400", "--rollout.ignore_eos", "true"),
+        *("--rollout.max_new_tokens", "400"),
         *("--rollout.n_samples", "2", "--controller.prompts_per_step", "4"),
         *("--controller.steps", "24", "--controller.max_staleness", "1"),
         *(

@@ -7,6 +7,12 @@ from __future__ import annotations
 import json
 
 from tests.e2e.cli_run import cli_run, step_records
+from tests.runtime.budget_rows import budget_rows
+
+
+def _long_rows(tmp_path):
+    """Rows whose samples run to the run's 48 tokens: each says ignore_eos."""
+    return str(budget_rows(tmp_path / "data.jsonl", [None] * 64, ignore_eos=True))
 
 
 def test_the_engine_pauses_while_each_step_trains_and_nothing_is_lost(tmp_path):
@@ -16,7 +22,7 @@ def test_the_engine_pauses_while_each_step_trains_and_nothing_is_lost(tmp_path):
         "turns",
         *("--run.gpu_sharing", "turns", "--controller.max_staleness", "1"),
         *("--controller.steps", str(steps), "--task.warm_start_steps", "0"),
-        *("--rollout.ignore_eos", "true", "--rollout.max_new_tokens", "48"),
+        *("--task.dataset", _long_rows(tmp_path), "--rollout.max_new_tokens", "48"),
         timeout=600,
     )
     supervisor = json.loads((run / "supervisor.json").read_text())
@@ -42,7 +48,7 @@ def test_kept_keys_and_values_are_not_prefilled_again(tmp_path):
         "keep",
         *("--rollout.kv_on_update", "keep", "--controller.max_staleness", "1"),
         *("--controller.steps", "4", "--task.warm_start_steps", "0"),
-        *("--rollout.ignore_eos", "true", "--rollout.max_new_tokens", "48"),
+        *("--task.dataset", _long_rows(tmp_path), "--rollout.max_new_tokens", "48"),
         timeout=600,
     )
     records = step_records(run)

@@ -14,7 +14,7 @@ from pipeline.models import CausalLM
 from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
 from tests.weights.wsync_common import (
     ROLLOUT_DTYPE,
-    SMALL_BUCKET,
+    SMALL_BUCKET_MB,
     TINY,
     assert_engine_equal,
     engine_cmd,
@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-TIMEOUTS = SyncTimeouts(group_s=60, meta_s=60, bucket_s=30, apply_s=30)
+TIMEOUTS = SyncTimeouts(bucket_timeout_s=30, apply_timeout_s=30)
 
 
 # (name, tp_size, replica) per engine process, and (tp_rank, tp_size) per engine rank
@@ -69,7 +69,7 @@ def test_cuda_ipc_bitwise_with_buffers_opened_once(procs, tmp_path, verify):
     hub = WeightHub(endpoint=f"tcp://127.0.0.1:{free_port()}")
     events = _engines(procs, hub, tmp_path, "cuda")
     config = PublishConfig(
-        bucket_bytes=SMALL_BUCKET, transport="cuda_ipc", verify=verify, timeouts=TIMEOUTS
+        bucket_mb=SMALL_BUCKET_MB, transport="cuda_ipc", verify=verify, timeouts=TIMEOUTS
     )
     publisher = WeightPublisher(model, hub=hub, config=config)
     assert publisher.plan.num_buckets > 2  # both slots are reused many times per sync
@@ -89,7 +89,7 @@ def test_nccl_between_gpus_bitwise(procs, tmp_path):
     model.init_weights(std=0.2)
     hub = WeightHub(endpoint=f"tcp://127.0.0.1:{free_port()}")
     _engines(procs, hub, tmp_path, "cuda:1", ONE_ENGINE)
-    config = PublishConfig(bucket_bytes=SMALL_BUCKET, timeouts=TIMEOUTS)
+    config = PublishConfig(bucket_mb=SMALL_BUCKET_MB, timeouts=TIMEOUTS)
     publisher = WeightPublisher(model, hub=hub, config=config)
     assert publisher.transport == "nccl"
     _publish_and_check(model, publisher, tmp_path, range(1, 3), ONE_RANK)
@@ -101,7 +101,7 @@ def test_nccl_refuses_an_engine_on_the_learners_gpu_before_connecting(procs, tmp
     model = CausalLM(TINY).cuda(0)
     hub = WeightHub(endpoint=f"tcp://127.0.0.1:{free_port()}")
     _engines(procs, hub, tmp_path, "cuda:0", ONE_ENGINE)
-    config = PublishConfig(bucket_bytes=SMALL_BUCKET, transport="nccl", timeouts=TIMEOUTS)
+    config = PublishConfig(bucket_mb=SMALL_BUCKET_MB, transport="nccl", timeouts=TIMEOUTS)
     publisher = WeightPublisher(model, hub=hub, config=config)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError) as info:

@@ -15,17 +15,26 @@ from pipeline.engines import TorchEngine, TorchEngineConfig
 from pipeline.errors import WeightSyncError
 from pipeline.models import CausalLM
 from pipeline.weights import (
+    MIB,
     PublishConfig,
     SyncTimeouts,
     WeightHub,
     WeightPublisher,
     WeightReceiver,
 )
+from pipeline.weights import config as deadlines
 from services.rollout.runner import EngineRunner
 from tests.engines.helpers import tensor_bytes_held
 from tests.weights.wsync_common import TINY, free_port, wait_for
 
-FAST = SyncTimeouts(group_s=5, meta_s=2, bucket_s=5, apply_s=10)
+FAST = SyncTimeouts(bucket_timeout_s=5, apply_timeout_s=10)
+
+
+@pytest.fixture(autouse=True)
+def fast_deadlines(monkeypatch):
+    """The group's and the metadata's deadlines (module constants), short here."""
+    monkeypatch.setattr(deadlines, "GROUP_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(deadlines, "META_TIMEOUT_S", 2.0)
 
 
 class GatedEngine(TorchEngine):
@@ -69,7 +78,7 @@ class Sync:
         )
         self.receiver.start()
         self.hub.wait_for_members(1, 10)
-        config = PublishConfig(dtype=torch.float32, bucket_bytes=4096, timeouts=FAST)
+        config = PublishConfig(dtype=torch.float32, bucket_mb=4096 / MIB, timeouts=FAST)
         self.publisher = WeightPublisher(self.learner, hub=self.hub, config=config)
 
     def live(self) -> list[torch.Tensor]:
@@ -138,7 +147,7 @@ def test_publish_returns_only_once_the_engine_serves_the_update(sync):
 def test_update_that_misses_the_apply_deadline_is_never_applied_later(sync):
     sync.publisher.publish(1)
     v1 = {n: p.detach().clone() for n, p in sync.engine.model.named_parameters()}
-    sync.receiver.timeouts = SyncTimeouts(group_s=5, meta_s=2, bucket_s=5, apply_s=0.3)
+    sync.receiver.timeouts = SyncTimeouts(bucket_timeout_s=5, apply_timeout_s=0.3)
     sync.bump()
     sync.engine.gate.clear()
     with pytest.raises(WeightSyncError) as info:

@@ -20,7 +20,7 @@ from pipeline.models import CausalLM
 from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
 from tests.weights.wsync_common import (
     ROLLOUT_DTYPE,
-    SMALL_BUCKET,
+    SMALL_BUCKET_MB,
     TINY,
     assert_engine_equal,
     engine_cmd,
@@ -47,8 +47,8 @@ def test_killed_engine_is_named_dropped_and_rejoins(procs, tmp_path):
     model = CausalLM(TINY)
     model.init_weights(std=0.2)
     hub = WeightHub(endpoint=f"tcp://127.0.0.1:{free_port()}")
-    timeouts = SyncTimeouts(group_s=20, meta_s=10, bucket_s=BUCKET_S, apply_s=10)
-    config = PublishConfig(bucket_bytes=SMALL_BUCKET, timeouts=timeouts)
+    timeouts = SyncTimeouts(bucket_timeout_s=BUCKET_S, apply_timeout_s=10)
+    config = PublishConfig(bucket_mb=SMALL_BUCKET_MB, timeouts=timeouts)
     publisher = WeightPublisher(model, hub=hub, config=config)
     assert publisher.plan.num_buckets > 6
     _, ev0 = _start(procs, hub.endpoint, "engine-0", tmp_path)

@@ -1,8 +1,8 @@
 """The weight hub's group members: a tensor-parallel replica joins only once all of its
 ranks have registered. One rank alone in the group received a version its leader never
 chose to apply, never answered, and the learner's sync hung (a CPU run with
-`--services.rollout.tp 2 --services.learner.fsdp_size 2 --learner.weights.striped true`
-whose second rank registered first)."""
+`--services.rollout.tp 2 --services.learner.fsdp_size 2`, striped senders, whose second
+rank registered first)."""
 
 from __future__ import annotations
 

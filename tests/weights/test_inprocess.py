@@ -13,12 +13,14 @@ from pipeline.engines.weights import SafePoint
 from pipeline.errors import WeightSyncError
 from pipeline.models import CausalLM
 from pipeline.weights import (
+    MIB,
     PublishConfig,
     SyncTimeouts,
     WeightHub,
     WeightPublisher,
     WeightReceiver,
 )
+from pipeline.weights import config as deadlines
 from pipeline.weights.validate import ParamSpec
 from pipeline.wire import codec
 from pipeline.wire.messages import Hello
@@ -31,7 +33,15 @@ from tests.weights.wsync_common import (
     wait_for,
 )
 
-FAST = SyncTimeouts(group_s=5, meta_s=1.0, bucket_s=2, apply_s=5)
+FAST = SyncTimeouts(bucket_timeout_s=2, apply_timeout_s=5)
+FAST_META_S = 1.0
+
+
+@pytest.fixture(autouse=True)
+def fast_deadlines(monkeypatch):
+    """The group's and the metadata's deadlines (module constants), short here."""
+    monkeypatch.setattr(deadlines, "GROUP_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(deadlines, "META_TIMEOUT_S", FAST_META_S)
 
 
 class Engine:
@@ -97,7 +107,7 @@ def test_roundtrip_bitwise_with_tp_and_split_tensors(model, hub, bucket_bytes, v
         Engine(hub, "e1.tp1", shard_specs(1, 2), tp_rank=1, tp_size=2),
     ]
     assert len(hub.wait_for_members(3, 10)) == 3
-    config = PublishConfig(bucket_bytes=bucket_bytes, verify=verify, timeouts=FAST)
+    config = PublishConfig(bucket_mb=bucket_bytes / MIB, verify=verify, timeouts=FAST)
     publisher = WeightPublisher(model, hub=hub, config=config)
     for version in (1, 2):
         _bump(model)
@@ -157,7 +167,7 @@ def test_bad_metadata_is_refused_with_every_name_and_old_version_keeps_serving(m
 def test_apply_timeout_fails_the_update_and_keeps_the_old_version(model, hub):
     parked = SafePoint(version=7)  # offered, but the engine never reaches a safe point
     engine = Engine(hub, "stuck", shard_specs(0, 1), apply=parked.offer, version=7)
-    engine.receiver.timeouts = SyncTimeouts(group_s=5, meta_s=1, bucket_s=2, apply_s=0.3)
+    engine.receiver.timeouts = SyncTimeouts(bucket_timeout_s=2, apply_timeout_s=0.3)
     hub.wait_for_members(1, 10)
     publisher = WeightPublisher(model, hub=hub, config=PublishConfig(timeouts=FAST))
     with pytest.raises(WeightSyncError) as info:
@@ -179,10 +189,11 @@ def _fake_engine(hub, name):
     return sock
 
 
-def test_engine_missing_at_group_rendezvous_is_named(model, hub):
+def test_engine_missing_at_group_rendezvous_is_named(model, hub, monkeypatch):
     sock = _fake_engine(hub, "ghost")
     hub.wait_for_members(1, 10)
-    timeouts = SyncTimeouts(group_s=0.5, meta_s=1, bucket_s=2, apply_s=2)
+    monkeypatch.setattr(deadlines, "GROUP_TIMEOUT_S", 0.5)
+    timeouts = SyncTimeouts(bucket_timeout_s=2, apply_timeout_s=2)
     publisher = WeightPublisher(model, hub=hub, config=PublishConfig(timeouts=timeouts))
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError) as info:
@@ -204,7 +215,7 @@ def test_engine_silent_on_metadata_is_named_dropped_and_rejoins(model, hub):
     with pytest.raises(WeightSyncError) as info:
         publisher.publish(2)
     assert info.value.phase == "meta" and info.value.peer == "mute"
-    assert time.monotonic() - t0 < FAST.meta_s + 1
+    assert time.monotonic() - t0 < FAST_META_S + 1
     assert good.receiver.version == 1 and mute.receiver.version == 1  # aborted before bytes
     mute.receiver._sync = handler  # it recovers; being dropped made it register again
     wait_for(lambda: (hub.poll(), "mute" in hub.members)[1], 5, "mute re-registered")
@@ -216,7 +227,7 @@ def test_engine_silent_on_metadata_is_named_dropped_and_rejoins(model, hub):
 def test_checksum_mismatch_fails_in_the_verify_phase_and_keeps_the_old_version(model, hub):
     engine = Engine(hub, "e", shard_specs(0, 1))
     hub.wait_for_members(1, 10)
-    config = PublishConfig(bucket_bytes=2048, verify=True, timeouts=FAST)
+    config = PublishConfig(bucket_mb=2048 / MIB, verify=True, timeouts=FAST)
     publisher = WeightPublisher(model, hub=hub, config=config)
     publisher.publish(1)
     honest = publisher._checksums

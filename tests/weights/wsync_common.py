@@ -32,7 +32,7 @@ TINY = ModelConfig(
     max_position_embeddings=64,
 )
 # smaller than the largest tensor (embed/lm_head: 96 * 31 * 2 = 5952 bytes)
-SMALL_BUCKET = 2048
+SMALL_BUCKET_MB = 2048 / (1 << 20)
 
 
 def full_shapes(config: ModelConfig = TINY) -> dict[str, tuple[int, ...]]:

@@ -67,7 +67,7 @@ def main() -> None:
             tp_rank=rank,
             tp_size=args.tp_size,
             device=device,
-            timeouts=SyncTimeouts(group_s=20, meta_s=20, bucket_s=args.bucket_s, apply_s=20),
+            timeouts=SyncTimeouts(bucket_timeout_s=args.bucket_s, apply_timeout_s=20),
             on_bucket=on_bucket,
         )
         receiver.start()

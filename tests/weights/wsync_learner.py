@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from pipeline.models import CausalLM, parallelize
 from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher
-from tests.weights.wsync_common import ROLLOUT_DTYPE, SMALL_BUCKET, TINY
+from tests.weights.wsync_common import ROLLOUT_DTYPE, SMALL_BUCKET_MB, TINY
 
 
 def main() -> None:
@@ -41,11 +41,11 @@ def main() -> None:
     hub = WeightHub(endpoint=args.endpoint) if args.rank == 0 else None
     if hub is not None:
         hub.wait_for_members(args.engines, 60)
-    timeouts = SyncTimeouts(group_s=20, meta_s=20, bucket_s=20, apply_s=20)
+    timeouts = SyncTimeouts(bucket_timeout_s=20, apply_timeout_s=20)
     configs = {
         "default": PublishConfig(timeouts=timeouts),
-        "small_verify": PublishConfig(bucket_bytes=SMALL_BUCKET, verify=True, timeouts=timeouts),
-        "striped": PublishConfig(bucket_bytes=SMALL_BUCKET, striped=True, timeouts=timeouts),
+        "small_verify": PublishConfig(bucket_mb=SMALL_BUCKET_MB, verify=True, timeouts=timeouts),
+        "striped": PublishConfig(bucket_mb=SMALL_BUCKET_MB, striped=True, timeouts=timeouts),
     }
     gen = torch.Generator().manual_seed(1 + args.rank)
     version = 0

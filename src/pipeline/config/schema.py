@@ -105,8 +105,6 @@ class PoolConfig:
     kind: Literal["cpu", "cuda"] = "cpu"
     # the GPU indices of a cuda pool (CUDA_VISIBLE_DEVICES of its replicas)
     devices: list[int] = field(default_factory=list)
-    # free-form label of the device model, for the report
-    device_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -246,9 +244,6 @@ class RolloutConfig:
     n_samples: int = 4
     # the longest response in tokens; a dataset row's `max_new_tokens` may ask for fewer
     max_new_tokens: int = 16
-    # benchmarks: the tokenizer's end-of-sequence token does not end a sample, only the
-    # response limit does (every sample the same length; vLLM's ignore_eos)
-    ignore_eos: bool = False
     # sampling temperature (0: greedy); the learner computes its log-probs at it
     temperature: float = 1.0
     # nucleus sampling mass (1: off)
@@ -321,16 +316,9 @@ class EnvironmentConfig:
 
 @dataclass(frozen=True)
 class WeightSyncSection:
-    # every learner rank gathers and broadcasts only its stripe of the buckets (fsdp_size
-    # > 1 over NCCL or gloo; not with CUDA IPC) instead of rank 0 sending them all
-    striped: bool = False
-    # size of one broadcast bucket (MiB; fractions for small models)
+    # size of one broadcast bucket (MiB; fractions for small models). A sharded learner
+    # (fsdp_size > 1, over NCCL or gloo) sends striped: each rank its own buckets' share
     bucket_mb: float = 1024.0
-    # seconds for the engines to join a new weight group (after a member came or went)
-    group_timeout_s: float = 60.0
-    # seconds for every engine to check an update's metadata and answer; a silent engine
-    # is left out of that update (it keeps its version) and rejoins when it registers again
-    meta_timeout_s: float = 30.0
     # seconds one bucket's broadcast may take
     bucket_timeout_s: float = 120.0
     # seconds for every engine to apply the update at its next safe point and say so
@@ -339,7 +327,7 @@ class WeightSyncSection:
     def validate(self) -> None:
         if not self.bucket_mb * (1 << 20) >= 64:
             raise ConfigError("learner.weights.bucket_mb must be at least 64 bytes' worth")
-        for key in ("group_timeout_s", "meta_timeout_s", "bucket_timeout_s", "apply_timeout_s"):
+        for key in ("bucket_timeout_s", "apply_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"learner.weights.{key} must be > 0 (seconds)")
 
@@ -347,7 +335,8 @@ class WeightSyncSection:
 @dataclass(frozen=True)
 class LearnerConfig:
     trainer: PolicyTrainerSection = field(default_factory=lambda: PolicyTrainerSection(lr=1e-5))
-    # save a checkpoint every this many steps (0: only at the end of the run)
+    # save a checkpoint every this many steps (0: only at the end of the run); the critic
+    # saves its value model, optimizer and KL controller every this many value updates
     checkpoint_every: int = 0
     # and every this many seconds since the last save (0: off): what a crash may lose
     checkpoint_every_s: float = 300.0
@@ -361,10 +350,6 @@ class CriticConfig:
     # a learned value model (needed by gae and vtrace)
     enabled: bool = True
     trainer: TrainerSection = field(default_factory=lambda: TrainerSection(lr=1e-4))
-    # save the value model, optimizer, schedule and KL controller every this many value
-    # updates (0: only at the end of the run); a restarted critic resumes from the latest.
-    # Its clock (checkpoint_every_s) and the checkpoints kept are the learner's
-    checkpoint_every: int = 0
     # groups that arrived while the critic was busy, annotated in one forward (at most this
     # many, never across a value update): fewer, larger forwards. 1: one group a forward.
     # An adaptive KL controller (algorithm.kl_ctrl_type) then updates once per forward.
@@ -404,12 +389,9 @@ class MetricsConfig:
     # live TensorBoard events of every step in runs/<name>/tensorboard/
     tensorboard: bool = True
     # every step's metrics to Weights & Biases too (needs the wandb package: the `wandb`
-    # extra); "offline" writes the run under runs/<name>/wandb/ for `wandb sync` later
+    # extra); wandb's WANDB_PROJECT and WANDB_MODE apply, else project "asyncrl" and mode
+    # "offline" (the run under runs/<name>/wandb/ for `wandb sync` later)
     wandb: bool = False
-    # the W&B project the run is logged in
-    wandb_project: str = "asyncrl"
-    # offline (no network; `wandb sync` later) or online
-    wandb_mode: Literal["offline", "online"] = "offline"
 
     def validate(self) -> None:
         if self.wandb:
@@ -590,17 +572,8 @@ class PipelineConfig:
 
     def _validate_trainers(self) -> None:
         self.learner.weights.validate()
-        if self.learner.weights.striped and self.shares_device("rollout", "learner"):
-            raise ConfigError(
-                "learner.weights.striped needs a collective transport (NCCL or gloo); "
-                "learner and engines share a GPU here (CUDA IPC): set it to false"
-            )
         _seconds("learner.checkpoint_every_s", self.learner.checkpoint_every_s, zero=True)
-        for key in (
-            "learner.checkpoint_every",
-            "learner.keep_checkpoints",
-            "critic.checkpoint_every",
-        ):
+        for key in ("learner.checkpoint_every", "learner.keep_checkpoints"):
             section, name = key.split(".")
             value = getattr(getattr(self, section), name)
             low = 1 if name == "keep_checkpoints" else 0

@@ -1,7 +1,9 @@
 """Load prompt datasets in the verl RL schema into `PromptRecord`s.
 
 Schema of a row: `prompt` (text, or chat messages `[{"role", "content"}]`), `data_source`,
-`reward_model: {"ground_truth", "style"}`, optional `extra_info`, optional `uid`/`index`.
+`reward_model: {"ground_truth", "style"}`, optional `extra_info`, optional `uid`/`index`,
+optional `max_new_tokens` (the row's response budget) and `ignore_eos` (true: its samples
+run to that budget, past the end-of-sequence token).
 Every problem is reported with the file and row, because a bad row found hours into a run is
 far more expensive than one refused at load time.
 """
@@ -100,6 +102,9 @@ def parse_row(row: Any, *, path: str, index: int, dataset_name: str) -> PromptRe
         budget = 0
     elif isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         fail(f"'max_new_tokens' must be a whole number of tokens >= 1, got {budget!r}")
+    ignore_eos = row.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        fail(f"'ignore_eos' must be true or false, got {ignore_eos!r}")
     return PromptRecord(
         uid=_uid(row, extra, dataset_name, index),
         prompt_text=text,
@@ -108,6 +113,7 @@ def parse_row(row: Any, *, path: str, index: int, dataset_name: str) -> PromptRe
         ground_truth=_ground_truth(row, fail),
         extra_info=dict(extra),
         max_new_tokens=budget,
+        ignore_eos=ignore_eos,
     )
 
 
@@ -141,6 +147,7 @@ def apply_chat_template(
         ground_truth=record.ground_truth,
         extra_info=record.extra_info,
         max_new_tokens=record.max_new_tokens,
+        ignore_eos=record.ignore_eos,
     )
 
 

@@ -38,3 +38,6 @@ class PromptRecord(msgspec.Struct, frozen=True):
     extra_info: dict[str, Any] = msgspec.field(default_factory=dict)
     # this prompt's response budget in tokens; 0: the run's rollout.max_new_tokens
     max_new_tokens: int = 0
+    # the tokenizer's end-of-sequence token does not end this prompt's samples, only their
+    # budget (or an environment's stop) does: every sample the same length (benchmarks)
+    ignore_eos: bool = False

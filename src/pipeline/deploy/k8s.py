@@ -36,7 +36,6 @@ PROFILE_DIR = "/etc/pipeline"
 KEYS_DIR = "/etc/pipeline-keys"
 RUNS_DIR = "/var/lib/pipeline/runs"
 GPU = "nvidia.com/gpu"
-GPU_PRODUCT = "nvidia.com/gpu.product"
 KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
@@ -205,10 +204,7 @@ def _volumes(plan: DeployPlan, launch: Launch) -> list[dict[str, Any]]:
 
 
 def _node_selector(plan: DeployPlan, pool: str) -> dict[str, str]:
-    selector = {node_label(pool): "true"}
-    if plan.pool(pool).kind == "cuda" and plan.pool(pool).device_name:
-        selector[GPU_PRODUCT] = plan.pool(pool).device_name
-    return selector
+    return {node_label(pool): "true"}
 
 
 def workload(plan: DeployPlan, role: str) -> dict[str, Any]:
@@ -321,8 +317,6 @@ def _pool_line(plan: DeployPlan, pool: str) -> str:
     roles = dict.fromkeys(launch.role for launch in plan.launches_on(pool))
     gpus = sum(launch.gpus for launch in plan.launches_on(pool))
     where = gpus_text(gpus) if gpus else "CPU"
-    if plan.pool(pool).device_name and gpus:
-        where += f" ({plan.pool(pool).device_name})"
     line = f"the node of pool {pool}, {where}: {', '.join(roles)}"
     if gpus > plan.pool(pool).gpus:
         line += f" (the profile shares {plan.pool(pool).gpus}; each pod gets its own)"

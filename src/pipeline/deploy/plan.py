@@ -62,7 +62,6 @@ class PoolPlan:
     name: str
     group: int
     kind: str
-    device_name: str
     # GPUs the pool's node must give the job: the highest device index used + 1
     gpus: int
     # the pool's devices renumbered from 0, what the deployed config pins ([] on CPU)
@@ -192,7 +191,6 @@ def make_plan(config: PipelineConfig, profile: str) -> DeployPlan:
                 name=name,
                 group=group,
                 kind=pool.kind,
-                device_name=pool.device_name,
                 gpus=max(used) + 1 if used else 0,
                 devices=tuple(pool.devices) if pool.kind == "cuda" else (),
             )

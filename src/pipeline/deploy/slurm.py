@@ -51,8 +51,6 @@ def _pool_summary(plan: DeployPlan, name: str) -> str:
     kind = pool.kind if pool.kind == "cpu" else f"cuda, {gpus_text(pool.gpus)}"
     if pool.kind == "cuda" and pool.gpus < len(pool.devices):
         kind += f" of the {len(pool.devices)} it lists"
-    if pool.device_name:
-        kind += f", {pool.device_name}"
     return f"het group {pool.group}: pool {name} ({kind}): {', '.join(parts)}"
 
 

@@ -186,6 +186,7 @@ class EpisodeDriver:
             prompt_ids=TensorRef(dtype="int32", shape=(len(ids),), frame=0),
             n_samples=1,
             max_new_tokens=budget,
+            ignore_eos=prompt.ignore_eos,
             temperature=prompt.temperature,
             top_p=prompt.top_p,
             top_k=prompt.top_k,

@@ -37,6 +37,8 @@ class ReleasedPrompt:
     released_version: int
     # the prompt's own response budget (0: the run's rollout.max_new_tokens)
     max_new_tokens: int = 0
+    # the row's ignore_eos: end-of-sequence does not end its samples
+    ignore_eos: bool = False
 
 
 class Accounting:

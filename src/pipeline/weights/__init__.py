@@ -3,7 +3,7 @@
 See `publisher.py` (learner), `receiver.py` (engine) and docs/architecture.md.
 """
 
-from pipeline.weights.config import GroupOptions, PublishConfig, SyncTimeouts
+from pipeline.weights.config import MIB, GroupOptions, PublishConfig, SyncTimeouts
 from pipeline.weights.hub import WeightHub
 from pipeline.weights.plan import BucketPlan, Chunk, TensorSpec
 from pipeline.weights.publisher import SyncReport, WeightPublisher
@@ -11,6 +11,7 @@ from pipeline.weights.receiver import ApplyFn, WeightReceiver
 from pipeline.weights.validate import ParamSpec, params_of, validate_meta
 
 __all__ = [
+    "MIB",
     "ApplyFn",
     "BucketPlan",
     "Chunk",

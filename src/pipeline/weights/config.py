@@ -4,6 +4,9 @@ Every phase has its own deadline because each one fails differently: a rendezvou
 engines to show up, metadata waits for validation, a bucket waits on a collective, and the
 final ack waits for an engine's safe point. One global timeout would either be too short
 for applying a 7B update or far too long to notice a dead engine during a short bucket.
+
+Names and units are the run config's (`learner.weights`: bucket_mb, bucket_timeout_s,
+apply_timeout_s); `weights/link.py` copies that section here.
 """
 
 from __future__ import annotations
@@ -16,22 +19,28 @@ import torch
 from pipeline.errors import ConfigError
 
 Transport = Literal["auto", "gloo", "nccl", "cuda_ipc"]
-GIB = 1 << 30
+MIB = 1 << 20
+
+# seconds for the engines to arrive at a new weight group's rendezvous (after a member came
+# or went)
+GROUP_TIMEOUT_S = 60.0
+# seconds for every engine to validate an update's WeightMeta and answer, and for an engine
+# that accepted to hear go/abort; a silent engine is left out of that update
+META_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
 class SyncTimeouts:
-    """Seconds each phase may take before it fails with the phase's name."""
+    """The tunable deadlines, named as in the run config's `learner.weights` (the group's
+    and the metadata's are the constants above)."""
 
-    group_s: float = 60.0  # engines arrive at a new weight group's rendezvous
-    meta_s: float = 30.0  # engines validate WeightMeta and answer; engines wait for "go"
-    bucket_s: float = 120.0  # one bucket's collective (also the weight group's op timeout)
-    apply_s: float = 300.0  # an engine applies the update at its safe point and acks
+    bucket_timeout_s: float = 120.0  # one bucket's collective (also the group's op timeout)
+    apply_timeout_s: float = 300.0  # an engine applies the update at its safe point and acks
 
     def validate(self) -> None:
-        for name in ("group_s", "meta_s", "bucket_s", "apply_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"weight sync timeout {name} must be > 0")
+        for name in ("bucket_timeout_s", "apply_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"learner.weights.{name} must be > 0 (seconds)")
 
 
 @dataclass(frozen=True)
@@ -49,7 +58,7 @@ class GroupOptions:
 class PublishConfig:
     """How the learner lays out and sends an update."""
 
-    bucket_bytes: int = GIB
+    bucket_mb: float = 1024.0  # one broadcast bucket (MiB, as learner.weights.bucket_mb)
     dtype: torch.dtype = torch.bfloat16  # the rollout dtype; cast before any gather
     striped: bool = False  # every learner rank broadcasts the buckets it owns
     verify: bool = False  # per-entry checksums in WeightMeta (costs one more gather pass)
@@ -58,8 +67,8 @@ class PublishConfig:
     group: GroupOptions = field(default_factory=GroupOptions)
 
     def validate(self) -> None:
-        if self.bucket_bytes < 64:
-            raise ConfigError(f"bucket_bytes={self.bucket_bytes} is too small; use >= 64")
+        if not self.bucket_mb * MIB >= 64:
+            raise ConfigError("learner.weights.bucket_mb must be at least 64 bytes' worth")
         if self.transport not in ("auto", "gloo", "nccl", "cuda_ipc"):
             raise ConfigError(f"transport={self.transport!r}; use auto, gloo, nccl or cuda_ipc")
         if self.striped and self.transport == "cuda_ipc":

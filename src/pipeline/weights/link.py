@@ -48,23 +48,22 @@ def group_options(config: PipelineConfig, role: str) -> Any:
 
 def publish_config(config: PipelineConfig) -> Any:
     """Rollout dtype; CUDA IPC where learner and engines share a GPU (NCCL cannot put two
-    ranks on one device), else NCCL between GPUs / gloo on CPU; striped senders and the
-    bucket size from `learner.weights`."""
+    ranks on one device), else NCCL between GPUs / gloo on CPU; striped senders when the
+    learner has several ranks and a collective transport; the bucket size and deadlines
+    from `learner.weights`."""
     from pipeline.weights import PublishConfig
     from pipeline.weights.config import SyncTimeouts
 
     shared = config.shares_device("rollout", "learner")
     section = config.learner.weights
     return PublishConfig(
-        bucket_bytes=int(section.bucket_mb * (1 << 20)),
+        bucket_mb=section.bucket_mb,
         dtype=getattr(torch, config.model.dtype),
-        striped=section.striped,
+        striped=config.ranks_per_replica("learner") > 1 and not shared,
         transport="cuda_ipc" if shared else "auto",
         timeouts=SyncTimeouts(
-            group_s=section.group_timeout_s,
-            meta_s=section.meta_timeout_s,
-            bucket_s=section.bucket_timeout_s,
-            apply_s=section.apply_timeout_s,
+            bucket_timeout_s=section.bucket_timeout_s,
+            apply_timeout_s=section.apply_timeout_s,
         ),
         group=group_options(config, "learner"),
     )

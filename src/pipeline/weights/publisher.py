@@ -31,8 +31,9 @@ from torch import nn
 
 from pipeline.errors import ConfigError, WeightSyncError
 from pipeline.log import get_logger
+from pipeline.weights import config as deadlines
 from pipeline.weights.checksum import checksum
-from pipeline.weights.config import PublishConfig, resolve_transport
+from pipeline.weights.config import MIB, PublishConfig, resolve_transport
 from pipeline.weights.cuda_ipc import IpcSender, IpcSlots
 from pipeline.weights.gather import BucketGatherer, pack
 from pipeline.weights.group import WeightGroup, store_client
@@ -83,7 +84,7 @@ class WeightPublisher:
         if not named:
             raise ConfigError("nothing to publish: the model has no parameters")
         specs = [TensorSpec(n, tuple(p.shape), config.dtype) for n, p in named.items()]
-        self.plan = BucketPlan.build(specs, bucket_bytes=config.bucket_bytes)
+        self.plan = BucketPlan.build(specs, bucket_bytes=int(config.bucket_mb * MIB))
         self.gatherer = BucketGatherer(self.plan, named)
         self.device = next(iter(named.values())).device
         self.transport = resolve_transport(config.transport, self.device)
@@ -149,8 +150,8 @@ class WeightPublisher:
         t = time.perf_counter()
         outcome = ""
         if self.hub is not None:
-            deadlines = self.config.timeouts
-            timeout = deadlines.bucket_s if failed_anywhere else deadlines.apply_s
+            limits = self.config.timeouts
+            timeout = limits.bucket_timeout_s if failed_anywhere else limits.apply_timeout_s
             outcome = done_round(self.hub, self.members, version, timeout, failure, failed_anywhere)
         outcome = self.comm.bcast_text(outcome)
         phases["done"] = time.perf_counter() - t
@@ -240,8 +241,8 @@ class WeightPublisher:
                 backend=self.transport,
                 store_host=hub.store.host,
                 store_port=hub.store.port,
-                timeout_s=t.bucket_s,
-                rendezvous_s=t.group_s,
+                timeout_s=t.bucket_timeout_s,
+                rendezvous_s=deadlines.GROUP_TIMEOUT_S,
             )
             unreachable = [
                 n
@@ -327,7 +328,7 @@ class WeightPublisher:
                     name: self._shard_meta(version, *lay, checksums)
                     for name, lay in self.layouts.items()
                 }
-            text = meta_round(self.hub, self.members, meta, self.config.timeouts.meta_s)
+            text = meta_round(self.hub, self.members, meta, deadlines.META_TIMEOUT_S)
         text = self.comm.bcast_text(text)
         if text:
             self._fail(text)
@@ -374,7 +375,7 @@ class WeightPublisher:
         ipc = None
         if self.transport == "cuda_ipc":
             assert self.hub is not None
-            ipc = IpcSender(self.hub, self.members, version, self.config.timeouts.bucket_s)
+            ipc = IpcSender(self.hub, self.members, version, self.config.timeouts.bucket_timeout_s)
         works: list[Any] = [None, None]
         failure: tuple[str, str] | None = None
         packed = 0

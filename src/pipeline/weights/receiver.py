@@ -38,6 +38,7 @@ from torch import nn
 from pipeline.errors import MetadataRejected
 from pipeline.log import get_logger
 from pipeline.transport.channel import connect, new_identity
+from pipeline.weights import config as deadlines
 from pipeline.weights.config import GroupOptions, SyncTimeouts
 from pipeline.weights.control import Link, Received
 from pipeline.weights.cuda_ipc import open_handle
@@ -61,7 +62,7 @@ HELLO_EVERY_S = 2.0  # an idle receiver re-registers this often
 
 log = get_logger("weights.receiver")
 # the engine's take of a landed update: (staging tensors by name, version) -> None once
-# applied, or a Future resolved once applied (cancelled when apply_s runs out). The tensors
+# applied, or a Future resolved once applied (cancelled when apply_timeout_s runs out). The tensors
 # are reused by the next update: the engine copies them before resolving.
 ApplyFn = Callable[[dict[str, torch.Tensor], int], "Future[int] | None"]
 # (version, bucket, number of buckets) after a bucket landed: progress metrics, tests
@@ -78,10 +79,10 @@ class WeightReceiver:
     """Receives updates for one engine rank and hands each complete one to `apply`.
 
     `params` are this rank's own parameters (its TP slice); metadata is checked against
-    them with full shapes derived by `tp.full_shape`. Deadlines: `meta_s` for the learner's
-    go/abort after we accepted, the group's collective timeout (the learner's `bucket_s`,
-    from GroupAssign) per broadcast, `bucket_s` per CUDA IPC bucket, `apply_s` for the
-    engine's safe point. Run it with `start()` (own thread) or drive it with `run_until`.
+    them with full shapes derived by `tp.full_shape`. Deadlines: `META_TIMEOUT_S` for the
+    learner's go/abort after we accepted, the group's collective timeout (the learner's
+    `bucket_timeout_s`, from GroupAssign) per broadcast, `bucket_timeout_s` per CUDA IPC
+    bucket, `apply_timeout_s` for the engine's safe point. Run it with `start()` (own thread) or drive it with `run_until`.
     """
 
     def __init__(
@@ -313,7 +314,7 @@ class WeightReceiver:
         )
 
     def _wait_go(self, attempt: int) -> SyncGo | None:
-        deadline = time.monotonic() + self.timeouts.meta_s
+        deadline = time.monotonic() + deadlines.META_TIMEOUT_S
         while (left := deadline - time.monotonic()) > 0:
             rcv = self.link.recv(left)
             if rcv is None:
@@ -325,7 +326,7 @@ class WeightReceiver:
                 rcv.message.body, WeightMeta
             ):
                 return None
-        self.last_error = f"meta: no go/abort within {self.timeouts.meta_s:.1f}s"
+        self.last_error = f"meta: no go/abort within {deadlines.META_TIMEOUT_S:.1f}s"
         log.error("weight_sync_failed", engine=self.name, error=self.last_error)
         return None
 
@@ -382,7 +383,7 @@ class WeightReceiver:
                 self.on_bucket(layout.version, k, len(layout.bucket_sizes))
 
     def _wait_ready(self, version: int, bucket: int) -> BucketReady:
-        deadline = time.monotonic() + self.timeouts.bucket_s
+        deadline = time.monotonic() + self.timeouts.bucket_timeout_s
         while (left := deadline - time.monotonic()) > 0:
             rcv = self.link.recv(left)
             if rcv is None:
@@ -393,18 +394,20 @@ class WeightReceiver:
             if isinstance(ctl, Removed | GroupAssign) or isinstance(rcv.message.body, WeightMeta):
                 self._requeued.append(rcv)
                 raise _Abort("the learner moved on")
-        raise TimeoutError(f"bucket {bucket} not ready within {self.timeouts.bucket_s:.1f}s")
+        raise TimeoutError(
+            f"bucket {bucket} not ready within {self.timeouts.bucket_timeout_s:.1f}s"
+        )
 
     def _apply(self, version: int) -> None:
         result = self.apply_fn(self.staging.tensors, version)
         if not isinstance(result, Future):
             return
         try:
-            result.result(timeout=self.timeouts.apply_s)
+            result.result(timeout=self.timeouts.apply_timeout_s)
         except TimeoutError:
             if result.cancel():  # withdrawn: a later safe point skips it
                 raise TimeoutError(
-                    f"not applied within {self.timeouts.apply_s:.1f}s; old version kept"
+                    f"not applied within {self.timeouts.apply_timeout_s:.1f}s; old version kept"
                 ) from None
             result.result()  # already being copied: wait for the copy to end
         except CancelledError:

@@ -193,6 +193,9 @@ class Prompt(_Wire):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # the row's ignore_eos: the end-of-sequence token does not end these samples (last: a
+    # recording made before it decodes as False)
+    ignore_eos: bool = False
 
 
 class Sample(msgspec.Struct, array_like=True, kw_only=True, gc=False, omit_defaults=True):

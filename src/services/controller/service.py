@@ -240,6 +240,7 @@ class Controller:
             ground_truth=record.ground_truth,
             released_version=self.learner_version,
             max_new_tokens=record.max_new_tokens,
+            ignore_eos=record.ignore_eos,
         )
 
     def encode(self, released: ReleasedPrompt) -> tuple[Prompt, Any]:
@@ -261,6 +262,7 @@ class Controller:
             released_version=released.released_version,
             # the row's own budget (checked against the run's limit at load), else the run's
             max_new_tokens=released.max_new_tokens or r.max_new_tokens,
+            ignore_eos=released.ignore_eos,
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,

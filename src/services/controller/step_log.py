@@ -1,5 +1,6 @@
 """Where each finished step's metrics go, as it finishes: `metrics/steps.jsonl`, live
-TensorBoard events (`tensorboard/`) and, when enabled, Weights & Biases.
+TensorBoard events (`tensorboard/`) and, when enabled, Weights & Biases (wandb's own
+WANDB_PROJECT and WANDB_MODE apply; unset, the run is "asyncrl"'s and offline).
 
 One writer, in the controller. A controller that restarts writes again the steps its
 journal has and the files lack; TensorBoard is told to drop what an earlier incarnation
@@ -9,12 +10,18 @@ wrote from that step on (`purge_step`), so no step shows twice.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.config.schema import MetricsConfig
 from pipeline.log import get_logger
 from pipeline.runtime.service import MetricsWriter
+
+# wandb's project and mode when its WANDB_PROJECT / WANDB_MODE are unset: offline writes
+# the run under runs/<name>/wandb/ for `wandb sync` later, with no network
+WANDB_PROJECT = "asyncrl"
+WANDB_MODE: Literal["offline"] = "offline"
 
 
 class StepLog:
@@ -48,12 +55,13 @@ class StepLog:
             import wandb
 
             self.wandb = wandb.init(
-                project=config.wandb_project,
+                # set, wandb's own variables apply (it reads them where an argument is None)
+                project=None if os.environ.get("WANDB_PROJECT") else WANDB_PROJECT,
                 name=run_dir.name,
                 id=run_id,
                 resume="allow",
                 dir=str(run_dir),
-                mode=config.wandb_mode,
+                mode=None if os.environ.get("WANDB_MODE") else WANDB_MODE,
                 config=run_config,
             )
 

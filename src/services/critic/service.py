@@ -3,7 +3,8 @@
 The model side (`CriticWorker`) runs on one trainer thread; a sharded critic's rank 0
 sends its other ranks each call's command first (`TrainerThread`), so every rank runs the
 same methods in the same order. A restarted critic resumes from its latest checkpoint
-(`critic.checkpoint_every`): value model, optimizer, schedule and KL coefficient.
+(saved on the learner's clock, `learner.checkpoint_every` / `checkpoint_every_s`): value
+model, optimizer, schedule and KL coefficient.
 
 Groups that arrive while the trainer thread is busy wait, and go into its next forward
 together (`critic.annotate_max_groups` at most, never across a value update). Which groups

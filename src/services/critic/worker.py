@@ -78,10 +78,10 @@ class CriticWorker:
         self.kl_ctrl: Any = None
         self.recompiles = Recompiles()
         # every rank decides alike: by seconds only in one process (ranks' clocks differ);
-        # the clock is the learner's
+        # the clock is the learner's (learner.checkpoint_every value updates, and seconds)
         learner = self.config.learner
         every_s = learner.checkpoint_every_s if getattr(ctx, "ranks", None) is None else 0.0
-        self.clock = CheckpointClock(self.config.critic.checkpoint_every, every_s)
+        self.clock = CheckpointClock(learner.checkpoint_every, every_s)
 
     def execute(self, command: RankCommand) -> None:
         """A rank other than 0: its part of one of rank 0's commands."""

@@ -42,7 +42,6 @@ class EngineRunner:
         tokenizer: Any,
         loop: asyncio.AbstractEventLoop,
         *,
-        ignore_eos: bool = False,
         burst_quiet_s: float = 0.003,
         burst_max_s: float = 0.025,
     ) -> None:
@@ -52,7 +51,6 @@ class EngineRunner:
         self.burst_quiet_s = burst_quiet_s
         self.burst_max_s = burst_max_s
         self.tokenizer = tokenizer
-        self.ignore_eos = ignore_eos
         self.loop = loop
         self._submit: queue.SimpleQueue[tuple[str, list[int], Any, _Pending]] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
@@ -89,15 +87,16 @@ class EngineRunner:
             out["rollout/paused_s"] = self.paused_s
         return out
 
-    def stop_ids(self) -> tuple[int, ...]:
+    def stop_ids(self, prompt: Prompt) -> tuple[int, ...]:
+        """End-of-sequence, unless the prompt's row says ignore_eos."""
         eos = self.tokenizer.eos_token_id
-        return () if eos is None or self.ignore_eos else (int(eos),)
+        return () if eos is None or prompt.ignore_eos else (int(eos),)
 
     async def generate(
         self, prompt: Prompt, prompt_ids: np.ndarray, extra_stop_ids: tuple[int, ...] = ()
     ) -> list[SampleArrays]:
-        """The prompt's `n_samples` responses; each ends at end-of-sequence (unless
-        ignore_eos), at one of `extra_stop_ids` or at the prompt's token limit."""
+        """The prompt's `n_samples` responses; each ends at end-of-sequence (unless the
+        prompt's ignore_eos), at one of `extra_stop_ids` or at the prompt's token limit."""
         from pipeline.engines import SamplingParams
 
         if self._error is not None:
@@ -107,7 +106,7 @@ class EngineRunner:
             top_p=prompt.top_p,
             top_k=max(0, prompt.top_k),
             max_new_tokens=prompt.max_new_tokens,
-            stop_token_ids=(*self.stop_ids(), *extra_stop_ids),
+            stop_token_ids=(*self.stop_ids(prompt), *extra_stop_ids),
             n=prompt.n_samples,
         )
         pending = _Pending(prompt=prompt, future=self.loop.create_future())
@@ -128,7 +127,14 @@ class EngineRunner:
         def call(i: int, n: int, tokens: int) -> Awaitable[list[SampleArrays]]:
             ids = rng.integers(0, vocab, prompt_len).astype(np.int32)
             ref = TensorRef(dtype="int32", shape=(prompt_len,), frame=0)
-            prompt = Prompt(uid=f"warmup-{i}", prompt_ids=ref, n_samples=n, max_new_tokens=tokens)
+            # every sample to the run's length: the batch sizes of a step's whole tail
+            prompt = Prompt(
+                uid=f"warmup-{i}",
+                prompt_ids=ref,
+                n_samples=n,
+                max_new_tokens=tokens,
+                ignore_eos=True,
+            )
             return self.generate(prompt, ids)
 
         await asyncio.gather(*(call(i, samples, new_tokens) for i in range(prompts)))
@@ -335,12 +341,7 @@ async def start_engine(ctx: Any) -> EngineRunner:
     # off the loop: loading and graph capture take a while
     engine = await asyncio.to_thread(build_engine, ctx)
     rollout = config.rollout
-    runner = EngineRunner(
-        engine,
-        tokenizer,
-        asyncio.get_running_loop(),
-        ignore_eos=rollout.ignore_eos,
-    )
+    runner = EngineRunner(engine, tokenizer, asyncio.get_running_loop())
     if device == "cuda" and rollout.kernels == "auto":
         seconds = await runner.warm_up(
             prompts_in_flight(config),

@@ -554,7 +554,6 @@ def case_critic_kill_and_resume(tmp_path: Path) -> None:
     events = [e for e in lines if e.get("event") in ("resumed", "critic_step")]
     resumed = [i for i, e in enumerate(events) if e["event"] == "resumed"]
     assert len(resumed) == 1 and events[resumed[0]]["step"] >= 1
-    before = [e for e in events[: resumed[0]] if e["event"] == "critic_step"]
     after = [e for e in events[resumed[0] + 1 :] if e["event"] == "critic_step"]
     # the value updates go on from the checkpoint: numbered on, not from 1 again
     assert after and after[0]["step"] == events[resumed[0]]["step"] + 1

@@ -130,9 +130,9 @@ def test_greedy_and_sampled_rows_mix_in_one_batch(make_torch_engine):
 
 
 def test_factory_builds_the_torch_engine_and_refuses_unknown_kinds(model_dir):
-    engine = make_engine("torch", model_dir, max_batch=2, max_seq_len=32, drain_on_update=True)
+    engine = make_engine("torch", model_dir, max_batch=2, max_seq_len=32, kv_on_update="keep")
     assert isinstance(engine, TorchEngine)
-    assert engine.config.drain_on_update and engine.config.max_batch == 2
+    assert engine.config.kv_on_update == "keep" and engine.config.max_batch == 2
     with pytest.raises(ConfigError, match="unknown"):
         make_engine("tgi", model_dir)  # type: ignore[arg-type]
 

@@ -113,38 +113,6 @@ def test_update_with_kept_kv_continues_on_the_old_cache_with_new_weights(
     assert differs > 0  # stale keys/values made a difference, so the check can tell
 
 
-def test_drain_on_update_finishes_running_samples_on_the_old_weights_first(
-    make_torch_engine, policies
-):
-    old, new, state = policies
-    engine = make_torch_engine(max_batch=4, drain_on_update=True)
-    batch = prompts(3, [6, 3, 8], seed=7)
-    engine.add_request(GenerationRequest("r0", batch[0], SamplingParams(0.0, max_new_tokens=6)))
-    engine.add_request(GenerationRequest("r1", batch[1], GREEDY))
-    engine.step()
-    engine.step()
-    engine.update_weights(state.items(), version=1)
-    engine.add_request(GenerationRequest("r2", batch[2], GREEDY))  # a slot is free
-    done: dict[str, GenerationOutput] = {}
-    while "r1" not in done:
-        for out in engine.step():
-            done[out.request_id] = out
-        if "r1" not in done:
-            assert engine.version == 0 and engine.num_waiting == 1  # held back while draining
-    # r2 was admitted, on the new weights, in the step that returned r1 when the engine
-    # learns of finished samples one step late
-    assert engine.num_running == (1 if engine.overlap else 0)
-    while engine.has_unfinished():
-        done.update((o.request_id, o) for o in engine.step())
-    assert engine.version == 1
-    assert done["r0"].token_versions == [0] * 6
-    assert done["r0"].output_ids == greedy_reference(old, batch[0], 6)
-    assert done["r1"].token_versions == [0] * MAX_NEW
-    assert done["r1"].output_ids == greedy_reference(old, batch[1], MAX_NEW)
-    assert done["r2"].token_versions == [1] * MAX_NEW
-    assert done["r2"].output_ids == greedy_reference(new, batch[2], MAX_NEW)
-
-
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

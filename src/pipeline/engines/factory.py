@@ -27,7 +27,7 @@ def make_engine(
     """Build an engine over a local HF checkpoint directory.
 
     `options` go to the backend's config: TorchEngineConfig (max_prefill_tokens,
-    drain_on_update, kv_on_update, use_cuda_graphs, compile, overlap,
+    kv_on_update, use_cuda_graphs, compile, overlap,
     decode_kernel, sample_kernel, shared_prefill; `tp`, a TPGroup, makes it this rank's TPEngine), HFEngineConfig (static_cache, compile,
     attn_implementation) or VLLMEngineConfig (gpu_memory_utilization, enforce_eager,
     enable_prefix_caching, tensor_parallel_size, llm_kwargs). Backends are imported on

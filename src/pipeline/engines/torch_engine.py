@@ -79,7 +79,6 @@ class TorchEngineConfig:
     max_batch: int = 32
     max_seq_len: int = 2048
     max_prefill_tokens: int = 16384
-    drain_on_update: bool = False
     kv_on_update: Literal["recompute", "keep"] = "recompute"
     use_cuda_graphs: bool = False
     # CUDA only: torch.compile each decoder block (attention itself stays eager, see
@@ -338,8 +337,6 @@ class TorchEngine(ModuleWeightsEngine, Engine):
     def _apply_weights_if_due(self) -> None:
         if not self.weights.has_pending():
             return
-        if self.config.drain_on_update and self._running:
-            return  # _admit holds new samples back until the running ones finish
         self._resolve(self._inflight)  # exact token counts of the running samples
         self._inflight = None
         start = time.perf_counter()
@@ -358,8 +355,6 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         )
 
     def _admit(self) -> list[_Sample]:
-        if self.config.drain_on_update and self.weights.has_pending():
-            return []
         admitted: list[_Sample] = []
         longest = 0
         budget = self.config.max_prefill_tokens

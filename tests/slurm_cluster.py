@@ -1,7 +1,7 @@
 """A Slurm cluster of two nodes on this host, for tests: munged, slurmctld and two slurmd.
 
 Slurm's backfill scheduler, the only one that starts a heterogeneous job, plans each
-component on whole nodes: two components never share one node. So the cluster has two
+component on whole nodes: on one node it plans the second component after the first. So the cluster has two
 nodes, two slurmd on this host (`slurmd -N NAME`, each on its own port), named after
 names this host resolves (its short hostname and `localhost`), because the rendered job
 makes each component's node name its pool's address. Everything lives in a temp dir

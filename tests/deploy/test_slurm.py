@@ -128,3 +128,17 @@ def test_the_script_is_valid_bash(profile, render):
     path, _ = render(profile)
     result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_every_step_restarts_its_service_as_a_local_run(profile, render):
+    """A process under `pipeline service ROLE --supervise` (the local supervisor's rules), a
+    torchrun with `--max-restarts`: both within supervisor.max_restarts."""
+    _, job = render(profile)
+    limit = load(profile).supervisor.max_restarts
+    for srun in job.sruns:
+        if srun.nproc > 1:
+            assert f"--max-restarts={limit}" in srun.words, srun.words
+        else:
+            start = srun.words.index("service")
+            assert srun.words[start + 2] == "--supervise", srun.words

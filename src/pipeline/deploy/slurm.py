@@ -5,6 +5,10 @@ as on one host); each replica pins its slice of the pool's devices renumbered fr
 which is how a node with constrained devices shows the job's GPUs. The other services
 start once the controller has prepared the run (it writes run.json, as under `pipeline
 run`), and the job ends when the controller does.
+
+A step restarts its service as `pipeline run` does: a process runs under `pipeline service
+ROLE --supervise` (`runtime/replica_supervisor.py`, the local supervisor's rules), a
+torchrun restarts its ranks itself (`--max-restarts`), up to supervisor.max_restarts.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def _srun(plan: DeployPlan, launch: Launch) -> str:
             "torchrun",
             "--nnodes=1",
             f"--nproc-per-node={launch.nproc}",
+            f"--max-restarts={plan.config.supervisor.max_restarts}",
             "--rdzv-backend=c10d",
             f'--rdzv-endpoint="${_host_var(pool.group)}:{launch.rdzv_port}"',
             f'--rdzv-id="$SLURM_JOB_ID-{launch.role}-{launch.replica}"',
@@ -90,7 +95,7 @@ def _srun(plan: DeployPlan, launch: Launch) -> str:
             plan.config.service_module(launch.role),
         ]
     else:
-        words += ["pipeline", "service", launch.role]
+        words += ["pipeline", "service", launch.role, "--supervise"]
     words += ["--profile", '"$PROFILE"', "--replica", str(launch.replica)]
     if launch.role != "controller":
         words += ["--controller", f'"tcp://$CONTROLLER_HOST:{plan.port}"']

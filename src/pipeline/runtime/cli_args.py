@@ -29,6 +29,12 @@ def service_parser(role: str) -> argparse.ArgumentParser:
         "role's placement)",
     )
     parser.add_argument("--controller", default=None, help="controller address (default: layout)")
+    parser.add_argument(
+        "--supervise",
+        action="store_true",
+        help="run the service as a child and restart it as `pipeline run` would "
+        "(supervisor.max_restarts): for launchers that start each replica on its own",
+    )
     parser.add_argument("--allow-incomplete", action="store_true", help=argparse.SUPPRESS)
     return parser
 

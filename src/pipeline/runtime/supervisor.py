@@ -160,16 +160,14 @@ class Supervisor:
         ended (or after they were told), they never joined it and have nothing to save
         (they would wait for a controller's answer while the supervisor waited for their
         save)."""
-        try:
-            summary = json.loads((self.run_dir / "summary.json").read_text())
-            told, told_at = summary["told_to_stop"], float(summary["told_at"])
-        except (OSError, ValueError, KeyError, TypeError):
+        ended = run_end(self.run_dir)
+        if ended is None:
             return
         for child in self._live():
             assert child.proc is not None
             if child.role == "controller":
                 continue
-            if child.name not in told or child.started_at > told_at:
+            if not ended.told(child.name, child.started_at):
                 self.log.info("service_not_in_run", service=child.name, pid=child.proc.pid)
                 self._signal(child, signal.SIGTERM)
 
@@ -338,6 +336,28 @@ class Supervisor:
                 )
             )
         return code
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """Which services the controller told to stop when it ended the run, and when."""
+
+    told_to_stop: tuple[str, ...]
+    told_at: float
+
+    def told(self, service: str, started_at: float) -> bool:
+        """Whether `service`, started at wall time `started_at`, was told: one restarted
+        after it (or never told) never joined the end of the run."""
+        return service in self.told_to_stop and started_at <= self.told_at
+
+
+def run_end(run_dir: Path) -> RunEnd | None:
+    """The end of the run as the controller's summary.json says it; None before it."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return RunEnd(tuple(summary["told_to_stop"]), float(summary["told_at"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def launcher_args(config: PipelineConfig, role: str) -> list[str]:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.errors import ConfigError, UnknownPool
-from pipeline.training.config import PolicyTrainerSection, TrainerSection
+from pipeline.training.config import LoraSection, PolicyTrainerSection, TrainerSection
 from pipeline.transport.channel import ChannelConfig
 from pipeline.wire.roles import QUEUES, ROLES, TRAINER_ROLES
 
@@ -343,6 +343,7 @@ class LearnerConfig:
     # checkpoints kept on disk (the newest; older ones are deleted)
     keep_checkpoints: int = 2
     weights: WeightSyncSection = field(default_factory=WeightSyncSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass(frozen=True)
@@ -572,6 +573,7 @@ class PipelineConfig:
 
     def _validate_trainers(self) -> None:
         self.learner.weights.validate()
+        self.learner.lora.validate()
         _seconds("learner.checkpoint_every_s", self.learner.checkpoint_every_s, zero=True)
         for key in ("learner.checkpoint_every", "learner.keep_checkpoints"):
             section, name = key.split(".")

@@ -40,7 +40,11 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.optim.lr_scheduler import LRScheduler
 
 from pipeline.errors import ConfigError
@@ -66,6 +70,12 @@ _SEGMENT = 64 << 20  # bytes per digest: one rank's single big file still hashes
 _CHUNK = 8 << 20
 _HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # hashlib releases the GIL
 _STEP_RE = re.compile(r"^step_(\d+)$")
+# frozen parameters (LoRA's base) are not saved: they are the initial weights the trainer
+# is built from again, as the reference is
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+# their keys are missing from the state put back (DCP's load already failed on a trained
+# key the checkpoint lacks)
+_LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass(frozen=True)
@@ -412,7 +422,7 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # a save that died before
         (partial / "rng").mkdir(parents=True, exist_ok=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     with _single_process_quiet():
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
@@ -517,12 +527,16 @@ def _load_one(
         raise CheckpointStateError(
             f"{meta_file} has format {meta.get('format')!r}, this code reads {FORMAT_VERSION}"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not is_distributed())
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_LOAD_TRAINED,
     )
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])

@@ -13,6 +13,7 @@ starts between steps.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -84,9 +85,12 @@ def make_hub(ctx: Any) -> Any:
     )
 
 
-def make_publisher(config: PipelineConfig, model: torch.nn.Module, hub: Any) -> Any:
+def make_publisher(
+    config: PipelineConfig, model: torch.nn.Module | Mapping[str, torch.Tensor], hub: Any
+) -> Any:
     """Every learner rank's part of a weight update: rank 0's, with the hub, decides and
-    talks to the engines; the others join the FSDP gathers (and send their stripe)."""
+    talks to the engines; the others join the FSDP gathers (and send their stripe).
+    `model`: the module, or its weights by name (a LoRA learner's merged ones)."""
     from pipeline.weights import WeightPublisher
 
     return WeightPublisher(model, hub=hub, config=publish_config(config))

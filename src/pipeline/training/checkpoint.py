@@ -71,11 +71,17 @@ _CHUNK = 8 << 20
 _HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # hashlib releases the GIL
 _STEP_RE = re.compile(r"^step_(\d+)$")
 # frozen parameters (LoRA's base) are not saved: they are the initial weights the trainer
-# is built from again, as the reference is
-_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
-# their keys are missing from the state put back (DCP's load already failed on a trained
-# key the checkpoint lacks)
-_LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+# is built from again, as the reference is. Their keys are missing from the state put back
+# (DCP's load already fails on a trained key that the checkpoint lacks)
+_LOAD_TRAINED = StateDictOptions(strict=False)
+
+
+def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's and optimizer's state dicts without frozen parameters (each name of a
+    tied one: DCP's own filter keeps a frozen tied output layer)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd}
 
 
 @dataclass(frozen=True)
@@ -422,10 +428,9 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # a save that died before
         (partial / "rng").mkdir(parents=True, exist_ok=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     with _single_process_quiet():
         dcp.save(
-            {"model": model_sd, "optim": optim_sd},
+            _trained_state(model, optimizer),
             checkpoint_id=str(partial / "dcp"),
             no_dist=not is_distributed(),
         )
@@ -527,8 +532,7 @@ def _load_one(
         raise CheckpointStateError(
             f"{meta_file} has format {meta.get('format')!r}, this code reads {FORMAT_VERSION}"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    state = _trained_state(model, optimizer)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not is_distributed())
     set_state_dict(

@@ -53,6 +53,7 @@ def publish_config(config: PipelineConfig) -> Any:
     learner has several ranks and a collective transport; the bucket size and deadlines
     from `learner.weights`."""
     from pipeline.weights import PublishConfig
+    from pipeline.weights import config as deadlines
     from pipeline.weights.config import SyncTimeouts
 
     shared = config.shares_device("rollout", "learner")
@@ -62,9 +63,10 @@ def publish_config(config: PipelineConfig) -> Any:
         dtype=getattr(torch, config.model.dtype),
         striped=config.ranks_per_replica("learner") > 1 and not shared,
         transport="cuda_ipc" if shared else "auto",
+        # module constants read now: a test's sitecustomize shortens them
         timeouts=SyncTimeouts(
-            bucket_timeout_s=section.bucket_timeout_s,
-            apply_timeout_s=section.apply_timeout_s,
+            bucket_timeout_s=deadlines.BUCKET_TIMEOUT_S,
+            apply_timeout_s=deadlines.APPLY_TIMEOUT_S,
         ),
         group=group_options(config, "learner"),
     )

@@ -24,6 +24,10 @@ class LoraLinear(nn.Linear):
 
     lora_A: nn.Parameter  # (rank, in_features)
     lora_B: nn.Parameter  # (out_features, rank)
+    scaling: float  # alpha / rank
+    dropout: float
+    # off: the base model (the reference's log-probs without a second copy of it)
+    adapters_on: bool
 
     @classmethod
     def adapt(
@@ -51,7 +55,6 @@ class LoraLinear(nn.Linear):
         )
         module.scaling = alpha / rank
         module.dropout = dropout
-        # off: the base model (the reference's log-probs without a second copy of it)
         module.adapters_on = True
         return module
 

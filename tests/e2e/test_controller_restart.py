@@ -40,7 +40,6 @@ def _overrides(runs: Path) -> dict[str, str]:
         "controller.max_inflight_prompts": "8",
         "controller.step_timeout_s": "60",
         "rollout.n_samples": "2",
-        "queues.heartbeat_s": "0.1",
         "queues.peer_timeout_s": "1.0",
     }
 

@@ -512,8 +512,6 @@ def case_staleness(tmp_path: Path, bound: int) -> None:
             "controller.max_staleness": str(bound),
             "controller.steps": "12",
             "services.rollout.replicas": "2",
-            "learner.weights.bucket_timeout_s": "1",
-            "learner.weights.apply_timeout_s": "1",
             # a paused replica is slow, not dead: its prompts stay with it
             "queues.peer_timeout_s": "60",
             # a step of several epochs: the pause lands before its publish even when this
@@ -521,7 +519,7 @@ def case_staleness(tmp_path: Path, bound: int) -> None:
             "learner.trainer.ppo_epochs": "6",
         },
         during=_pause_rollout(8.0, at_groups=4 * (bound + 1)),
-        env=SHORT_SYNC,  # the group's 2 s and the metadata's 1 s
+        env=SHORT_SYNC,  # the group's 2 s, the metadata's, a bucket's and an apply's 1 s
     )
     worst = _versions_within_bound(run, bound)
     assert run.summary["dropped"] > 0, run.summary

@@ -158,14 +158,14 @@ def test_data_convert_gsm8k(tmp_path):
 
 def test_a_run_whose_learner_skips_every_update_ends_with_an_error(tmp_path):
     """A policy that diverges (lr 1e30: the first update's weights overflow the next
-    forward) makes every later loss non-finite: after controller.skipped_update_steps
+    forward) makes every later loss non-finite: after controller.failed_steps
     steps with every optimizer step skipped the run ends, exit code 1, the reason on stderr
     (it used to run to its last step and exit 0, having trained on nothing)."""
     summary = _ended_with(
         tmp_path,
         "skipped every optimizer step of the last 2 steps",
         *("diverged", "--learner.trainer.lr", "1e30", "--controller.steps", "12"),
-        *("--controller.skipped_update_steps", "2"),
+        *("--controller.failed_steps", "2"),
     )
     assert not summary["completed"] and summary["steps"] < 12
     steps = [json.loads(x) for x in (tmp_path / "runs/diverged/metrics/steps.jsonl").open()]
@@ -173,12 +173,12 @@ def test_a_run_whose_learner_skips_every_update_ends_with_an_error(tmp_path):
 
 
 def test_a_run_whose_every_reward_fails_ends_with_an_error(tmp_path):
-    """Every verifier call raises: after controller.reward_failure_steps such steps in a
+    """Every verifier call raises: after controller.failed_steps such steps in a
     row the run ends, exit code 1, the reason on stderr (issue 33, defect 9: exit 0)."""
     summary = _ended_with(
         tmp_path,
         "every reward failed in the last 2 steps",
         *("norewards", "--reward.function", "tests.standin.failing_reward:reward_fn"),
-        *("--controller.steps", "8", "--controller.reward_failure_steps", "2"),
+        *("--controller.steps", "8", "--controller.failed_steps", "2"),
     )
     assert not summary["completed"] and summary["steps"] == 2 and "verifier" in summary["failure"]

@@ -49,7 +49,6 @@ async def test_input_credit_is_granted_after_setup(tmp_path: Path, side: LoopThr
         {
             "run.runs_dir": str(tmp_path),
             "run.name": "slow-setup",
-            "queues.heartbeat_s": str(STALL.heartbeat_s),
             "queues.peer_timeout_s": str(STALL.peer_timeout_s),
             "queues.record": "[]",
         },

@@ -19,6 +19,7 @@ from pipeline.training import (
     TrainerConfig,
     latest_step,
 )
+from pipeline.training.config import LoraSection
 
 from ._helpers import make_batch, save_tiny_model, state_of
 
@@ -51,12 +52,15 @@ def _steps(trainer: PolicyTrainer, start: int, stop: int) -> list[float]:
 # whose state a load replaces and which must bind it again; also with its first moment in
 # bfloat16 (saved and restored as such)
 FLAT = CONFIG.replace(param_dtype="bfloat16", fused_optimizer=True)
+# LoRA: the checkpoint holds the adapters and their Adam state (the base is rebuilt from the
+# model directory); dropout draws from the RNG the checkpoint restores
+LORA = CONFIG.replace(lora=LoraSection(rank=4, alpha=8.0, dropout=0.1))
 
 
 @pytest.mark.parametrize(
     "config",
-    [CONFIG, FLAT, FLAT.replace(exp_avg_dtype="bfloat16")],
-    ids=["float32", "flat", "flat-bf16-moment"],
+    [CONFIG, FLAT, FLAT.replace(exp_avg_dtype="bfloat16"), LORA],
+    ids=["float32", "flat", "flat-bf16-moment", "lora"],
 )
 def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path: Path, config: TrainerConfig):
     model_dir = save_tiny_model(tmp_path / "model")

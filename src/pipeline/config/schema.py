@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pipeline.algorithms.config import AlgorithmConfig
 from pipeline.errors import ConfigError, UnknownPool
-from pipeline.training.config import PolicyTrainerSection, TrainerSection
+from pipeline.training.config import LoraSection, PolicyTrainerSection, TrainerSection
 from pipeline.transport.channel import ChannelConfig
 from pipeline.wire.roles import QUEUES, ROLES, TRAINER_ROLES
 
@@ -73,11 +73,14 @@ class RunConfig:
         _seconds("run.handshake_timeout_s", self.handshake_timeout_s)
 
 
+# heartbeats an idle link sends within queues.peer_timeout_s
+HEARTBEATS_PER_TIMEOUT = 10
+
+
 @dataclass(frozen=True)
 class QueuesConfig:
-    # seconds between heartbeats on an idle link
-    heartbeat_s: float = 0.5
-    # a peer silent this long is dead: its unacknowledged items go to another consumer
+    # a peer silent this long is dead: its unacknowledged items go to another consumer (an
+    # idle link sends a heartbeat every tenth of it)
     peer_timeout_s: float = 5.0
     # queues appended to runs/<name>/queues/<queue>.log (replay and inspect read them)
     record: list[str] = field(default_factory=lambda: list(QUEUES))
@@ -86,7 +89,10 @@ class QueuesConfig:
     def channel(self) -> ChannelConfig:
         """Every queue's and the control link's settings: the liveness ones set here, the
         credit, backpressure and size limits the transport's own (constants)."""
-        return ChannelConfig(heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s)
+        return ChannelConfig(
+            heartbeat_s=self.peer_timeout_s / HEARTBEATS_PER_TIMEOUT,
+            peer_timeout_s=self.peer_timeout_s,
+        )
 
     def validate(self) -> None:
         self.channel.validate()
@@ -205,12 +211,9 @@ class ControllerConfig:
     # compiles and CUDA-graph captures on its first batch; 0: step_timeout_s
     first_step_timeout_s: float = 0.0
     # steps in a row in which every sample's reward failed (the verifier raised or timed
-    # out) before the run ends with an error; 0: never
-    reward_failure_steps: int = 5
-    # steps in a row in which the learner skipped every optimizer step (a non-finite loss
-    # or gradient: the policy diverged, or a kernel is wrong) before the run ends with an
-    # error; 0: never
-    skipped_update_steps: int = 5
+    # out), or the learner skipped every optimizer step (a non-finite loss or gradient: the
+    # policy diverged, or a kernel is wrong), before the run ends with an error; 0: never
+    failed_steps: int = 5
 
     def validate(self) -> None:
         if self.steps < 1 or self.prompts_per_step < 1:
@@ -229,10 +232,7 @@ class ControllerConfig:
             ">= 1 (prompts released and not yet trained)",
         )
         _seconds("controller.step_timeout_s", self.step_timeout_s)
-        ok = self.reward_failure_steps >= 0
-        _require("controller.reward_failure_steps", self.reward_failure_steps, ok, ">= 0")
-        ok = self.skipped_update_steps >= 0
-        _require("controller.skipped_update_steps", self.skipped_update_steps, ok, ">= 0")
+        _require("controller.failed_steps", self.failed_steps, self.failed_steps >= 0, ">= 0")
         _seconds("controller.first_step_timeout_s", self.first_step_timeout_s, zero=True)
 
 
@@ -319,17 +319,10 @@ class WeightSyncSection:
     # size of one broadcast bucket (MiB; fractions for small models). A sharded learner
     # (fsdp_size > 1, over NCCL or gloo) sends striped: each rank its own buckets' share
     bucket_mb: float = 1024.0
-    # seconds one bucket's broadcast may take
-    bucket_timeout_s: float = 120.0
-    # seconds for every engine to apply the update at its next safe point and say so
-    apply_timeout_s: float = 300.0
 
     def validate(self) -> None:
         if not self.bucket_mb * (1 << 20) >= 64:
             raise ConfigError("learner.weights.bucket_mb must be at least 64 bytes' worth")
-        for key in ("bucket_timeout_s", "apply_timeout_s"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"learner.weights.{key} must be > 0 (seconds)")
 
 
 @dataclass(frozen=True)
@@ -343,6 +336,7 @@ class LearnerConfig:
     # checkpoints kept on disk (the newest; older ones are deleted)
     keep_checkpoints: int = 2
     weights: WeightSyncSection = field(default_factory=WeightSyncSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass(frozen=True)
@@ -572,6 +566,7 @@ class PipelineConfig:
 
     def _validate_trainers(self) -> None:
         self.learner.weights.validate()
+        self.learner.lora.validate()
         _seconds("learner.checkpoint_every_s", self.learner.checkpoint_every_s, zero=True)
         for key in ("learner.checkpoint_every", "learner.keep_checkpoints"):
             section, name = key.split(".")

@@ -21,6 +21,7 @@ from pipeline.models.config import ModelConfig
 from pipeline.models.decode_attention import decode_attention
 from pipeline.models.kv_cache import KVCache
 from pipeline.models.layers import RMSNorm, adjacent_rows, all_rows_follow, apply_rope
+from pipeline.models.lora import add_adapters
 from pipeline.models.rope_kernel import rope_qkv
 
 
@@ -97,6 +98,7 @@ class Attention(nn.Module):
         if weight is None:  # concatenated per call (a few MB): still one GEMM, and one per
             weight, bias = self._concat_qkv()  # gradient, instead of three narrow ones
         qkv = F.linear(x, weight, bias)  # (batch, seq, nq + 2 nk)
+        qkv = add_adapters(qkv, x, (self.q_proj, self.k_proj, self.v_proj))
         if self.fused_rope and self.q_norm is None:
             q, k, v = self._fused_rope(qkv, cos, sin)
         else:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.config import ModelConfig, RopeScaling
+from pipeline.models.lora import add_adapters
 from pipeline.models.swiglu_kernel import swiglu_packed
 
 
@@ -217,7 +218,8 @@ class SwiGLU(nn.Module):
         if self.packed:
             pair = (self.gate_proj.weight, self.up_proj.weight)
             weight = AdjacentRows.apply(*pair) if self.adjacent else torch.cat(pair)
-            return self.down_proj(swiglu_packed(F.linear(x, weight)))
+            gate_up = add_adapters(F.linear(x, weight), x, (self.gate_proj, self.up_proj))
+            return self.down_proj(swiglu_packed(gate_up))
         # two GEMMs and inductor's SwiGLU: with one concatenated weight the compiled backward
         # writes d(gate, up) through the split's view, much slower (docs/performance.md)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -40,7 +40,11 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.optim.lr_scheduler import LRScheduler
 
 from pipeline.errors import ConfigError
@@ -66,6 +70,18 @@ _SEGMENT = 64 << 20  # bytes per digest: one rank's single big file still hashes
 _CHUNK = 8 << 20
 _HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # hashlib releases the GIL
 _STEP_RE = re.compile(r"^step_(\d+)$")
+# frozen parameters (LoRA's base) are not saved: they are the initial weights the trainer
+# is built from again, as the reference is. Their keys are missing from the state put back
+# (DCP's load already fails on a trained key that the checkpoint lacks)
+_LOAD_TRAINED = StateDictOptions(strict=False)
+
+
+def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's and optimizer's state dicts without frozen parameters (each name of a
+    tied one: DCP's own filter keeps a frozen tied output layer)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {"model": {k: v for k, v in model_sd.items() if k not in frozen}, "optim": optim_sd}
 
 
 @dataclass(frozen=True)
@@ -412,10 +428,9 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # a save that died before
         (partial / "rng").mkdir(parents=True, exist_ok=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     with _single_process_quiet():
         dcp.save(
-            {"model": model_sd, "optim": optim_sd},
+            _trained_state(model, optimizer),
             checkpoint_id=str(partial / "dcp"),
             no_dist=not is_distributed(),
         )
@@ -517,12 +532,15 @@ def _load_one(
         raise CheckpointStateError(
             f"{meta_file} has format {meta.get('format')!r}, this code reads {FORMAT_VERSION}"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    state = _trained_state(model, optimizer)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not is_distributed())
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_LOAD_TRAINED,
     )
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])

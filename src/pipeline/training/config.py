@@ -101,6 +101,48 @@ class TrainerSection:
             raise ConfigError(f"set {_SECTION}.infer_max_tokens_per_micro_batch >= 0 (0: same)")
 
 
+# the linear layers of every block (attention's and the MLP's projections)
+LORA_TARGETS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """learner.lora: train low-rank adapters instead of every weight (training/lora.py)."""
+
+    # the adapters' rank r (0: off, every weight trains). The base weights stay frozen, only
+    # the adapters train and keep Adam's state; engines get base + B @ A * alpha / rank
+    rank: int = 0
+    # the update's scale is alpha / rank
+    alpha: float = 16.0
+    # dropout on an adapter's input while training (0: none; a non-zero one makes the
+    # training forward differ from the proximal one that PPO's ratio divides by)
+    dropout: float = 0.0
+    # the nn.Linear modules adapted, by the last part of their name
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def validate(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError(f"set learner.lora.rank to an integer >= 0 (got {self.rank!r})")
+        if not self.alpha > 0:
+            raise ConfigError(f"set learner.lora.alpha > 0 (got {self.alpha})")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"set learner.lora.dropout in [0, 1) (got {self.dropout})")
+        if self.rank and not self.targets:
+            raise ConfigError("learner.lora.targets is empty: name modules, e.g. ['q_proj']")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclass(frozen=True)
 class PolicyTrainerSection(TrainerSection):
     """learner.trainer: a trainer's keys, the AdamW constants, precision and kernels of both
@@ -247,6 +289,8 @@ class TrainerConfig(PolicyTrainerSection):
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     # seeds the shuffle of mini-batches (run.seed in a run: replay stays exact)
     seed: int = 0
+    # low-rank adapters (learner.lora; rank 0: off)
+    lora: LoraSection = LoraSection()
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> TrainerConfig:
@@ -307,6 +351,7 @@ class TrainerConfig(PolicyTrainerSection):
             self._validate_trunk_graphs()
         if self.peak_flops < 0:
             raise ConfigError(f"set {_SECTION}.peak_flops >= 0 (0 disables MFU)")
+        self.lora.validate()
 
     def _validate_trunk_graphs(self) -> None:
         if self.compile and self.compile_mode != "default":
@@ -493,10 +538,14 @@ def policy_config(config: PipelineConfig, device: str = "") -> TrainerConfig:
         resolve(config, "learner", device),
         temperature=temperature,
         keep_reference=config.reference_host() == "learner",
+        lora=config.learner.lora,
     )
 
 
 def reference_config(config: PipelineConfig, device: str) -> TrainerConfig:
     """The reference's forward: the policy's settings (same temperature, packing and
-    precision, so its log-probs compare with the learner's) on the host's device."""
-    return dataclasses.replace(policy_config(config, device), keep_reference=False)
+    precision, so its log-probs compare with the learner's) on the host's device; the base
+    model, with no adapters."""
+    return dataclasses.replace(
+        policy_config(config, device), keep_reference=False, lora=LoraSection()
+    )

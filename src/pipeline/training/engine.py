@@ -36,6 +36,7 @@ from pipeline.training.distributed import (
 )
 from pipeline.training.export import export_hf
 from pipeline.training.flat_adamw import FlatAdamW
+from pipeline.training.lora import apply_lora, optimizer_state_bytes
 from pipeline.training.metrics import Metrics, MetricSums, split_values
 from pipeline.training.micro_batching import MicroBatch, plan_step
 from pipeline.training.optim import (
@@ -120,7 +121,11 @@ def place_model(
     model.model.fused_norm = config.fused_norm
     model.uniform_attention = config.uniform_attention
     model.tied_grad_rows = (
-        config.tied_grad_rows and trainable and not config.trunk_graphs and not is_distributed()
+        config.tied_grad_rows
+        and trainable
+        and not config.trunk_graphs
+        and not is_distributed()
+        and not config.lora.enabled  # a frozen embedding has no gradient rows
     )
     for block in cast(Iterable[DecoderBlock], model.model.layers):
         block.self_attn.fused_rope = config.fused_rope
@@ -151,6 +156,7 @@ def place_model(
                 region.compile(**config.compile_kwargs())
         if (
             config.trunk_graphs
+            and not config.lora.enabled
             and (trainable or config.trunk_graphs_no_grad)
             and (info.device.type == "cuda")
         ):
@@ -173,8 +179,18 @@ class TrainEngine:
         self.name = name
         self.log = get_logger(f"training.{name}", rank=info.rank)
         self.num_params = sum(p.numel() for p in model.parameters())
+        if config.lora.enabled:  # before placement: FSDP shards the adapters with the rest
+            adapted = apply_lora(model, config.lora, seed=config.seed)
+            self.log.info("lora", rank=config.lora.rank, modules=len(adapted))
         self.model = place_model(model, config, info, trainable=True)
         self.optimizer = build_optimizer(self.model, config)
+        # this rank's Adam moments: LoRA's acceptance compares them with a full fine-tune's
+        self.optimizer_state_bytes = optimizer_state_bytes(self.optimizer)
+        self.log.info(
+            "optimizer_state",
+            bytes=self.optimizer_state_bytes,
+            trainable_params=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+        )
         self.scheduler = build_scheduler(self.optimizer, config)
         # one process with the fused kernel: clip and skip on the device (queue_update)
         self._device_updates = is_fused(self.optimizer) and not is_distributed()
@@ -182,7 +198,8 @@ class TrainEngine:
         self._compute = None
         self._flat: FlatAdamW | None = None
         if dtype != torch.float32 and not is_distributed():
-            flat = self._device_updates and config.flat_optimizer
+            # the flat layout holds every parameter: LoRA's frozen base has no gradients
+            flat = self._device_updates and config.flat_optimizer and not config.lora.enabled
             self._compute = ComputeWeights(self.model, dtype, flat=flat)
             if self._compute.layout is not None:
                 moment = getattr(torch, config.exp_avg_dtype)
@@ -490,8 +507,10 @@ class TrainEngine:
         return loaded
 
     def export_hf(self, path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> None:
-        """HF safetensors of the current weights (collective; rank 0 writes)."""
-        export_hf(self.model, path, dtype=dtype)
+        """HF safetensors of the current weights (collective; rank 0 writes); with LoRA the
+        merged model, and the adapters beside it (`lora.adapter_dir`)."""
+        lora = self.config.lora if self.config.lora.enabled else None
+        export_hf(self.model, path, dtype=dtype, lora=lora)
 
 
 def perf_metrics(

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from pipeline.models import CausalLM, DecoderBase, ValueModel, save_model
+from pipeline.training.config import LoraSection
 from pipeline.training.distributed import barrier, current_dist_info, is_distributed
 
 
@@ -26,14 +27,25 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_hf(
-    model: DecoderBase, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None
+    model: DecoderBase,
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    lora: LoraSection | None = None,
 ) -> None:
     """Write `path` as a HF checkpoint of `model`'s current weights (every rank must call).
 
     `dtype` casts the exported tensors (e.g. bfloat16 for serving); default: as trained.
+    `lora`: the model carries adapters; `path` gets the merged weights and
+    `lora.adapter_dir(path)` the adapters alone (peft's format).
     """
     state = full_state_dict(model)
     if current_dist_info("cpu").is_main:
+        if lora is not None:
+            from pipeline.training.lora import adapter_dir, split_state, write_adapter
+
+            state, adapter = split_state(state, lora.alpha / lora.rank)
+            write_adapter(adapter, lora, adapter_dir(path))
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         # type(model) may be FSDP's dynamic subclass; build the plain class

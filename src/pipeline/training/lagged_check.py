@@ -37,7 +37,7 @@ class LaggedCheck:
         """Before version `version`'s update: copy its weights if the next step checks."""
         if self.due(version + 1):
             with torch.no_grad():
-                self._kept = [p.detach().clone() for p in model.parameters()]
+                self._kept = [p.detach().clone() for p in trained(model)]
             self._kept_version = version
 
     def sums(
@@ -70,7 +70,7 @@ class LaggedCheck:
 def _swapped(model: nn.Module, kept: list[Tensor], changed: Callable[[], None]) -> Iterator[None]:
     """The model's parameters hold `kept` inside the block (in place: views, captured graphs
     and optimizer state keep their storage), their own values again after it."""
-    params = [p.data for p in model.parameters()]
+    params = [p.data for p in trained(model)]
     with torch.no_grad():
         own = [p.clone() for p in params]
         _copy(params, kept)
@@ -86,3 +86,8 @@ def _copy(into: list[Tensor], values: list[Tensor]) -> None:
     # one copy_ per tensor: FSDP2's sharded parameters (DTensors) take no foreach copy
     for target, value in zip(into, values, strict=True):
         target.copy_(value)
+
+
+def trained(model: nn.Module) -> list[Tensor]:
+    """The parameters an update changes (a LoRA policy's adapters; every one otherwise)."""
+    return [p for p in model.parameters() if p.requires_grad]

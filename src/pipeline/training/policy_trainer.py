@@ -43,6 +43,7 @@ from pipeline.training.engine import StagedStep, TrainEngine, perf_metrics
 from pipeline.training.errors import BatchError
 from pipeline.training.forward import micro_logprobs, response_logprobs
 from pipeline.training.lagged_check import LaggedCheck
+from pipeline.training.lora import MergedWeights, adapters_off
 from pipeline.training.loss_terms import (
     KL_KEYS,
     loss_function,
@@ -119,17 +120,19 @@ class PolicyTrainer:
         keep_ref = self.config.keep_reference
         if keep_ref is None:
             keep_ref = self.algorithm.use_kl_loss or self.algorithm.kl_penalty_in_reward
-        reference = copy.deepcopy(policy) if keep_ref else None
+        lora = self.config.lora.enabled
+        # with LoRA the reference is the policy with its adapters off: no second copy
+        reference = copy.deepcopy(policy) if keep_ref and not lora else None
         self.engine = TrainEngine(policy, self.config, self.info, name="policy")
         self._last_done = 0.0  # perf_counter when the last step's metrics were read
         self._reuse = ReuseCheck(self.config)
         self._lagged = LaggedCheck(self.config.mismatch_check_every)
         self._loss_terms = loss_function(self.algorithm, self.config.compile_loss)
-        self.reference = (
-            ReferencePolicy(reference, self.config, dist=self.info)
-            if reference is not None
-            else None
-        )
+        self.reference: ReferencePolicy | BaseOfAdapters | None = None
+        if reference is not None:
+            self.reference = ReferencePolicy(reference, self.config, dist=self.info)
+        elif keep_ref and lora:
+            self.reference = BaseOfAdapters(self)
 
     # -- state --------------------------------------------------------------------------
 
@@ -141,6 +144,11 @@ class PolicyTrainer:
     def step(self) -> int:
         """train_step calls completed (restored by load_checkpoint)."""
         return self.engine.train_steps
+
+    def weights_to_publish(self) -> CausalLM | MergedWeights:
+        """What the engines receive: the model's parameters, or with LoRA the base's names
+        with the adapters merged in (the same names and shapes as a full fine-tune)."""
+        return MergedWeights(self.model) if self.config.lora.enabled else self.model
 
     @property
     def skipped_steps(self) -> int:
@@ -427,6 +435,7 @@ class PolicyTrainer:
         out["actor/skipped_updates"] = float(stats.skipped)
         out["actor/skipped_steps_total"] = float(staged.skipped_total)
         out["actor/step"] = float(step)
+        out["actor/optimizer_state_bytes"] = float(self.engine.optimizer_state_bytes)
         return out
 
     # -- persistence --------------------------------------------------------------------
@@ -452,6 +461,20 @@ class PolicyTrainer:
     def export_hf(self, path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> None:
         """HF safetensors of the current policy (collective; rank 0 writes)."""
         self.engine.export_hf(path, dtype)
+
+
+class BaseOfAdapters:
+    """The reference of a LoRA policy: the policy's own forward with every adapter off, in
+    the policy's precision (its frozen base is the initial model)."""
+
+    def __init__(self, trainer: PolicyTrainer) -> None:
+        self.trainer = trainer
+
+    @torch.no_grad()
+    def logprobs(self, batch: ExperienceBatch) -> Tensor:
+        """Reference log-probs of the response tokens, (n, R) float32, 0 where masked."""
+        with adapters_off(self.trainer.model):
+            return self.trainer.compute_logprobs(batch)
 
 
 def poisoned(batch: ExperienceBatch) -> ExperienceBatch:

@@ -5,8 +5,8 @@ engines to show up, metadata waits for validation, a bucket waits on a collectiv
 final ack waits for an engine's safe point. One global timeout would either be too short
 for applying a 7B update or far too long to notice a dead engine during a short bucket.
 
-Names and units are the run config's (`learner.weights`: bucket_mb, bucket_timeout_s,
-apply_timeout_s); `weights/link.py` copies that section here.
+A run config sets `learner.weights.bucket_mb`; `weights/link.py` copies it here, with the
+deadlines below (constants: no run tunes them).
 """
 
 from __future__ import annotations
@@ -27,15 +27,19 @@ GROUP_TIMEOUT_S = 60.0
 # seconds for every engine to validate an update's WeightMeta and answer, and for an engine
 # that accepted to hear go/abort; a silent engine is left out of that update
 META_TIMEOUT_S = 30.0
+# seconds one bucket's collective may take (also the group's op timeout)
+BUCKET_TIMEOUT_S = 120.0
+# seconds for every engine to apply an update at its next safe point and acknowledge it
+APPLY_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
 class SyncTimeouts:
-    """The tunable deadlines, named as in the run config's `learner.weights` (the group's
-    and the metadata's are the constants above)."""
+    """The deadlines a publisher or receiver is built with (a run's: the constants above;
+    the group's and the metadata's are read from there directly)."""
 
-    bucket_timeout_s: float = 120.0  # one bucket's collective (also the group's op timeout)
-    apply_timeout_s: float = 300.0  # an engine applies the update at its safe point and acks
+    bucket_timeout_s: float = BUCKET_TIMEOUT_S  # one bucket's collective (the group's ops)
+    apply_timeout_s: float = APPLY_TIMEOUT_S  # an engine applies the update and acks
 
     def validate(self) -> None:
         for name in ("bucket_timeout_s", "apply_timeout_s"):

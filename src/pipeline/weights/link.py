@@ -13,6 +13,7 @@ starts between steps.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -52,6 +53,7 @@ def publish_config(config: PipelineConfig) -> Any:
     learner has several ranks and a collective transport; the bucket size and deadlines
     from `learner.weights`."""
     from pipeline.weights import PublishConfig
+    from pipeline.weights import config as deadlines
     from pipeline.weights.config import SyncTimeouts
 
     shared = config.shares_device("rollout", "learner")
@@ -61,9 +63,10 @@ def publish_config(config: PipelineConfig) -> Any:
         dtype=getattr(torch, config.model.dtype),
         striped=config.ranks_per_replica("learner") > 1 and not shared,
         transport="cuda_ipc" if shared else "auto",
+        # module constants read now: a test's sitecustomize shortens them
         timeouts=SyncTimeouts(
-            bucket_timeout_s=section.bucket_timeout_s,
-            apply_timeout_s=section.apply_timeout_s,
+            bucket_timeout_s=deadlines.BUCKET_TIMEOUT_S,
+            apply_timeout_s=deadlines.APPLY_TIMEOUT_S,
         ),
         group=group_options(config, "learner"),
     )
@@ -84,9 +87,12 @@ def make_hub(ctx: Any) -> Any:
     )
 
 
-def make_publisher(config: PipelineConfig, model: torch.nn.Module, hub: Any) -> Any:
+def make_publisher(
+    config: PipelineConfig, model: torch.nn.Module | Mapping[str, torch.Tensor], hub: Any
+) -> Any:
     """Every learner rank's part of a weight update: rank 0's, with the hub, decides and
-    talks to the engines; the others join the FSDP gathers (and send their stripe)."""
+    talks to the engines; the others join the FSDP gathers (and send their stripe).
+    `model`: the module, or its weights by name (a LoRA learner's merged ones)."""
     from pipeline.weights import WeightPublisher
 
     return WeightPublisher(model, hub=hub, config=publish_config(config))

@@ -348,19 +348,19 @@ class Controller:
         self._streak(
             "rewards_failing",
             bool(trained) and errors >= trained,
-            cfg.reward_failure_steps,
+            cfg.failed_steps,
             "every reward failed in the last {n} steps (the verifier raised or timed out: "
-            "read the reward services' logs); controller.reward_failure_steps sets how many "
-            "end the run",
+            "read the reward services' logs); controller.failed_steps sets how many end the "
+            "run",
         )
         self._streak(
             "updates_skipped",
             bool(updates) and skipped >= updates,
-            cfg.skipped_update_steps,
+            cfg.failed_steps,
             "the learner skipped every optimizer step of the last {n} steps (a non-finite "
             "loss or gradient: the policy diverged or a kernel is wrong; actor/loss and "
-            "actor/grad_norm in metrics/steps.jsonl show it); controller.skipped_update_steps "
-            "sets how many end the run",
+            "actor/grad_norm in metrics/steps.jsonl show it); controller.failed_steps sets "
+            "how many end the run",
         )
 
     def _streak(self, event: str, hit: bool, limit: int, why: str) -> None:

@@ -120,7 +120,8 @@ class LearnerWorker:
         if self.config.replicas("rollout") > 0 and (self.hub is not None or self.trainer.info.rank):
             from pipeline.weights.link import make_publisher
 
-            self.publisher = make_publisher(self.config, self.trainer.model, self.hub)
+            weights = self.trainer.weights_to_publish()
+            self.publisher = make_publisher(self.config, weights, self.hub)
         return loaded
 
     def rank_batch(self, groups: list[GroupArrays]) -> Any:

@@ -65,7 +65,6 @@ class PublishConfig:
     bucket_mb: float = 1024.0  # one broadcast bucket (MiB, as learner.weights.bucket_mb)
     dtype: torch.dtype = torch.bfloat16  # the rollout dtype; cast before any gather
     striped: bool = False  # every learner rank broadcasts the buckets it owns
-    verify: bool = False  # per-entry checksums in WeightMeta (costs one more gather pass)
     transport: Transport = "auto"  # auto: nccl for CUDA tensors, gloo for CPU
     timeouts: SyncTimeouts = field(default_factory=SyncTimeouts)
     group: GroupOptions = field(default_factory=GroupOptions)

@@ -114,11 +114,11 @@ class BucketPlan:
                 return spec
         raise KeyError(name)
 
-    def entries(self, checksums: Sequence[int] | None = None) -> list[WeightEntry]:
-        """`WeightMeta.entries`, one per chunk in plan order (checksums aligned to chunks)."""
+    def entries(self) -> list[WeightEntry]:
+        """`WeightMeta.entries`, one per chunk in plan order."""
         by_name = {s.name: s for s in self.specs}
         out = []
-        for i, chunk in enumerate(self.chunks):
+        for chunk in self.chunks:
             spec = by_name[chunk.name]
             out.append(
                 WeightEntry(
@@ -128,7 +128,6 @@ class BucketPlan:
                     bucket=chunk.bucket,
                     offset=chunk.offset,
                     nbytes=chunk.nbytes,
-                    checksum=0 if checksums is None else int(checksums[i]),
                 )
             )
         return out

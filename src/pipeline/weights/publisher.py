@@ -32,7 +32,6 @@ from torch import nn
 from pipeline.errors import ConfigError, WeightSyncError
 from pipeline.log import get_logger
 from pipeline.weights import config as deadlines
-from pipeline.weights.checksum import checksum
 from pipeline.weights.config import MIB, PublishConfig, resolve_transport
 from pipeline.weights.cuda_ipc import IpcSender, IpcSlots
 from pipeline.weights.gather import BucketGatherer, pack
@@ -101,7 +100,6 @@ class WeightPublisher:
         self._slots: list[torch.Tensor] = []
         self._ipc: IpcSlots | None = None
         self._dirty = True
-        self._chunk_index = {c: i for i, c in enumerate(self.plan.chunks)}
         self._full = {s.name: s for s in specs}
         # (tp_rank, tp_size) -> that layout's plan; members' layouts when resharding
         self._shard_plans: dict[tuple[int, int], BucketPlan] = {}
@@ -139,9 +137,8 @@ class WeightPublisher:
             self._rebuild(generation)
             self.layouts = self._resharding()
         phases["group"] = time.perf_counter() - t0
-        checksums = self._checksums() if self.config.verify else None
         t = time.perf_counter()
-        self._meta_round(version, checksums)
+        self._meta_round(version)
         phases["meta"] = time.perf_counter() - t
         t = time.perf_counter()
         failure = self._move_buckets(version)
@@ -298,52 +295,29 @@ class WeightPublisher:
 
     # ------------------------------------------------------------------ meta
 
-    @torch.no_grad()
-    def _checksums(self) -> list[int] | None:
-        """Verify mode: one extra gather pass so WeightMeta can carry per-entry checksums."""
-        sums = [0] * len(self.plan.chunks)
-        scratch = self._buffers()[0] if self.hub is not None else None
-        for k, size in enumerate(self.plan.bucket_sizes):
-            gathered = self.gatherer.gather(k)
-            if scratch is None:
-                continue
-            buf = scratch[:size]
-            pack(gathered, self.plan.by_bucket[k], self.gatherer.dtype, buf)
-            for c in self.plan.by_bucket[k]:
-                sums[self._chunk_index[c]] = checksum(buf[c.offset : c.offset + c.nbytes])
-        return sums if scratch is not None else None
-
-    def _meta_round(self, version: int, checksums: list[int] | None) -> None:
+    def _meta_round(self, version: int) -> None:
         text = ""
         if self.hub is not None:
             meta: WeightMeta | dict[str, WeightMeta] = WeightMeta(
                 version=version,
-                entries=self.plan.entries(checksums),
+                entries=self.plan.entries(),
                 bucket_sizes=list(self.plan.bucket_sizes),
                 transport=self.transport,
-                verify=self.config.verify,
             )
             if self.layouts:
-                meta = {
-                    name: self._shard_meta(version, *lay, checksums)
-                    for name, lay in self.layouts.items()
-                }
+                meta = {name: self._shard_meta(version, *lay) for name, lay in self.layouts.items()}
             text = meta_round(self.hub, self.members, meta, deadlines.META_TIMEOUT_S)
         text = self.comm.bcast_text(text)
         if text:
             self._fail(text)
 
-    def _shard_meta(
-        self, version: int, tp_rank: int, tp_size: int, checksums: list[int] | None
-    ) -> WeightMeta:
+    def _shard_meta(self, version: int, tp_rank: int, tp_size: int) -> WeightMeta:
         plan = self._shard_plan(tp_rank, tp_size)
-        full = tp_size == 1  # checksums are of the full buckets' entries only
         return WeightMeta(
             version=version,
-            entries=plan.entries(checksums if full else None),
+            entries=plan.entries(),
             bucket_sizes=list(plan.bucket_sizes),
             transport=self.transport,
-            verify=self.config.verify and full,
             tp_rank=tp_rank if tp_size > 1 else 0,
             tp_size=tp_size,
             p2p=True,

@@ -43,7 +43,7 @@ from pipeline.weights.config import GroupOptions, SyncTimeouts
 from pipeline.weights.control import Link, Received
 from pipeline.weights.cuda_ipc import open_handle
 from pipeline.weights.group import WeightGroup, store_client
-from pipeline.weights.staging import Staging, VerifyError
+from pipeline.weights.staging import Staging
 from pipeline.weights.validate import Layout, ParamSpec, params_of, validate_meta
 from pipeline.wire.messages import Hello, Shutdown, WeightDone, WeightMeta
 from pipeline.wire.weights import (
@@ -132,7 +132,6 @@ class WeightReceiver:
         self._slots: list[torch.Tensor] = []
         self._ipc_slots: list[torch.Tensor] = []
         self._requeued: deque[Received] = deque()
-        self._verify_error: VerifyError | None = None
         self._accepted: tuple[WeightMeta, Layout] | None = None  # the last validated meta
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -266,8 +265,6 @@ class WeightReceiver:
             phase = "apply"
             self._apply(layout.version)
         except Exception as exc:
-            if isinstance(exc, VerifyError):
-                phase = "verify"  # every bucket was still received: the group is intact
             if phase == "buckets":
                 self._close_group()  # our peers must not wait on us; the learner rebuilds
             self._done(layout.version, t0, f"{phase}: {exc}")
@@ -278,12 +275,10 @@ class WeightReceiver:
     def _validate(self, meta: WeightMeta) -> Layout:
         """`validate_meta`, or the last accepted layout under this version when the metadata
         equals the last accepted one but for its version (the learner sends the same layout
-        every sync, and checking the 0.5B model's 290 entries in Python is slow).
-        Metadata with checksums (verify) differs every version and is always checked."""
+        every sync, and checking the 0.5B model's 290 entries in Python is slow)."""
         last = self._accepted
         if (
             last is not None
-            and not meta.verify
             and (meta.transport, meta.bucket_sizes) == (last[0].transport, last[0].bucket_sizes)
             and meta.entries == last[0].entries
         ):
@@ -343,7 +338,6 @@ class WeightReceiver:
             raise RuntimeError("not a member of a weight group (its build failed)")
         slots = self._buffers(max(layout.bucket_sizes, default=0))
         pending: deque[tuple[int, Any, torch.Tensor]] = deque()
-        self._verify_error = None
         posted = 0
         for k, size in enumerate(layout.bucket_sizes):
             if layout.p2p and size == 0:  # our own shards only: an empty bucket is not sent
@@ -357,16 +351,10 @@ class WeightReceiver:
                 self._land(layout, *pending.popleft())
         while pending:
             self._land(layout, *pending.popleft())
-        if self._verify_error is not None:
-            raise self._verify_error
 
     def _land(self, layout: Layout, bucket: int, work: Any, buf: torch.Tensor) -> None:
         work.wait()
-        if self._verify_error is None:  # after a mismatch keep receiving, to spare the peers
-            try:
-                self.staging.land(layout, bucket, buf)
-            except VerifyError as exc:
-                self._verify_error = exc
+        self.staging.land(layout, bucket, buf)
         if self.on_bucket is not None:
             self.on_bucket(layout.version, bucket, len(layout.bucket_sizes))
 

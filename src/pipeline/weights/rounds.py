@@ -90,7 +90,7 @@ def done_round(
 ) -> str:
     """Collect every engine's WeightDone; name the silent ones first (a dead engine
     explains everyone else's failed collective), else the engines that reported failure
-    with their own phase (verify, apply, ...), else the learner's own failure."""
+    with their own phase (buckets, apply, ...), else the learner's own failure."""
     failed: dict[str, str] = {}
     restarted: list[str] = []
 

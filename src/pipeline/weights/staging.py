@@ -15,13 +15,8 @@ from collections.abc import Mapping
 import torch
 
 from pipeline.weights import tp
-from pipeline.weights.checksum import checksum
 from pipeline.weights.gather import copy_pairs
 from pipeline.weights.validate import Layout, ParamSpec
-
-
-class VerifyError(Exception):
-    """A received entry's checksum differs from the one in WeightMeta."""
 
 
 class Staging:
@@ -46,10 +41,8 @@ class Staging:
         """Unpack bucket `bucket` (a uint8 tensor of its size) into the staging tensors
         (whole tensors by one foreach copy; a split tensor's last chunk after its assembly)."""
         pairs = []
-        for chunk, entry in layout.by_bucket[bucket]:
+        for chunk in layout.by_bucket[bucket]:
             data = buf[chunk.offset : chunk.offset + chunk.nbytes]
-            if layout.verify and checksum(data) != entry.checksum:
-                raise VerifyError(f"checksum mismatch for {chunk.name} in bucket {bucket}")
             shape, dtype = layout.full[chunk.name]
             if chunk.start == 0 and chunk.last:
                 full_bytes = data

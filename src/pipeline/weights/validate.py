@@ -41,10 +41,9 @@ class Layout:
 
     version: int
     transport: str
-    verify: bool
     bucket_sizes: tuple[int, ...]
-    # per bucket: (chunk, entry) pairs in wire order
-    by_bucket: tuple[tuple[tuple[Chunk, WeightEntry], ...], ...]
+    # per bucket: its chunks in wire order
+    by_bucket: tuple[tuple[Chunk, ...], ...]
     # name -> (shape, dtype) as it arrives: full, or this rank's shard when resharded
     full: dict[str, tuple[tuple[int, ...], torch.dtype]]
     resharded: bool = False  # the entries are this engine's own shards: no slicing
@@ -168,13 +167,12 @@ def validate_meta(
     problems["missing"].extend(sorted(set(expected) - set(rows)))
     if any(problems.values()):
         raise MetadataRejected({k: v for k, v in problems.items() if v})
-    by_bucket: list[list[tuple[Chunk, WeightEntry]]] = [[] for _ in meta.bucket_sizes]
-    for chunk, entry in zip(chunks_of(meta.entries), meta.entries, strict=True):
-        by_bucket[entry.bucket].append((chunk, entry))
+    by_bucket: list[list[Chunk]] = [[] for _ in meta.bucket_sizes]
+    for chunk in chunks_of(meta.entries):
+        by_bucket[chunk.bucket].append(chunk)
     return Layout(
         version=meta.version,
         transport=meta.transport,
-        verify=meta.verify,
         bucket_sizes=tuple(meta.bucket_sizes),
         by_bucket=tuple(tuple(b) for b in by_bucket),
         full=full,

@@ -258,7 +258,6 @@ class WeightEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
     bucket: int
     offset: int  # byte offset inside the bucket
     nbytes: int
-    checksum: int = 0
 
 
 class WeightMeta(_Wire):
@@ -269,7 +268,6 @@ class WeightMeta(_Wire):
     entries: list[WeightEntry]
     bucket_sizes: list[int]
     transport: str  # "gloo" | "nccl" | "cuda_ipc"
-    verify: bool = False
     # resharded: the entries are TP rank tp_rank's shards of a tp_size split (1: full
     # tensors), and each bucket comes by a send from learner rank 0 to this engine alone
     tp_rank: int = 0

@@ -247,6 +247,11 @@ class TrainerConfig(PolicyTrainerSection):
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     # seeds the shuffle of mini-batches (run.seed in a run: replay stays exact)
     seed: int = 0
+    # the model's modeling: "auto" runs the native decoder for the families it implements
+    # and transformers' AutoModelForCausalLM for any other (models/hf_causal.py);
+    # "transformers" forces transformers' for a native family too (the library's option:
+    # bench/hf_path.py measures the two)
+    implementation: Literal["auto", "native", "transformers"] = "auto"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> TrainerConfig:

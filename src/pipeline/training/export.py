@@ -32,10 +32,16 @@ def export_hf(
 
     `dtype` casts the exported tensors (e.g. bfloat16 for serving); default: as trained.
     """
+    from pipeline.models.hf_causal import HFModule, save_hf_model
+
     state = full_state_dict(model)
     if current_dist_info("cpu").is_main:
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        if isinstance(model, HFModule):  # transformers' modeling: its own save_pretrained
+            save_hf_model(model, state, path)
+            barrier()
+            return
         # type(model) may be FSDP's dynamic subclass; build the plain class
         cls: type[DecoderBase] = ValueModel if isinstance(model, ValueModel) else CausalLM
         with torch.device("meta"):

@@ -41,7 +41,7 @@ NATIVE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 class ImplementationChoice:
     """Which modeling a role runs for a checkpoint, and why (logged as `model_implementation`)."""
 
-    implementation: Literal["native", "transformers"]
+    implementation: Literal["native", "transformers", "vllm"]
     model_type: str
     reason: str
 
@@ -58,6 +58,9 @@ def native_refusal(raw: dict[str, Any]) -> str | None:
     """Why the native decoder cannot run this config.json exactly, or None if it can."""
     from pipeline.models.config import ModelConfig
 
+    model_type = raw.get("model_type")
+    if model_type not in NATIVE_MODEL_TYPES:
+        return f"the native decoder implements {', '.join(NATIVE_MODEL_TYPES)}, not {model_type!r}"
     try:
         ModelConfig.from_hf_dict(raw)
     except ConfigError as err:
@@ -402,3 +405,22 @@ def meta_causal_lm(path: str | os.PathLike[str]) -> nn.Module:
 
     with torch.device("meta"):
         return HFCausalLM(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
+
+
+def rollout_choice(path: str | os.PathLike[str], engine: str) -> ImplementationChoice:
+    """What the rollout's engine runs for `path`. The built-in torch engine runs the native
+    decoder only: with another architecture it is refused (not switched), since its settings
+    (kernels, kv_on_update, tp) would silently stop applying and the choice between hf
+    (any device, slow) and vLLM (GPU, fast) is the user's."""
+    choice = choose_implementation(path)
+    if engine == "torch" and choice.implementation != "native":
+        raise ConfigError(
+            f"rollout.engine = 'torch' runs the native decoder only, and {path} is not native "
+            f"({choice.reason}); set rollout.engine = 'hf' (transformers' generate, any "
+            "device) or 'vllm' (GPU)"
+        )
+    if engine == "torch":
+        return choice
+    reason = f"rollout.engine = {engine!r} runs its own modeling of {choice.model_type!r}"
+    implementation: Literal["transformers", "vllm"] = "vllm" if engine == "vllm" else "transformers"
+    return ImplementationChoice(implementation, choice.model_type, reason)

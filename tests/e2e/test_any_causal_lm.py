@@ -54,7 +54,9 @@ def assert_export_has_the_learners_logits(run) -> None:
     final = run / "final_model"
     exported = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
     learner = load_for_training(final)  # the learner's modeling of the trained weights
-    ids = torch.randint(3, exported.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        3, exported.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, learner(ids), atol=1e-5, rtol=0)
 

@@ -39,6 +39,22 @@ def test_native_families_stay_native_and_others_go_to_transformers(tmp_path):
         choose_implementation(gemma, "native")
 
 
+def test_a_mistral_without_a_binding_window_is_the_native_llama_decoder(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.models import load_model, save_model
+
+    directory = make_family("mistral", tmp_path / "mistral")
+    native = load_model(directory, dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = torch.randint(3, theirs.config.vocab_size, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(native(ids), theirs(ids).logits, atol=1e-5, rtol=0)
+    save_model(native, tmp_path / "saved")  # still a Mistral checkpoint for transformers
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["model_type"] == "mistral" and saved["architectures"] == ["MistralForCausalLM"]
+
+
 def test_a_mistral_window_that_binds_takes_transformers(tmp_path):
     directory = make_family("mistral", tmp_path / "m")
     raw = json.loads((directory / "config.json").read_text())
@@ -63,7 +79,7 @@ def test_what_nothing_can_train_is_refused_with_the_reason(tmp_path, raw, match)
 
 def test_the_torch_engine_is_refused_for_a_transformers_model(tmp_path):
     gemma = make_family("gemma2", tmp_path / "gemma2")
-    with pytest.raises(ConfigError, match="rollout.engine = 'hf'"):
+    with pytest.raises(ConfigError, match=r"rollout\.engine = 'hf'"):
         rollout_choice(gemma, "torch")
     assert rollout_choice(gemma, "hf").implementation == "transformers"
 

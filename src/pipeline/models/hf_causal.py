@@ -124,6 +124,8 @@ def log_choice(role: str, choice: ImplementationChoice) -> None:
 class HFModule(nn.Module):
     """A transformers model whose children are this module's own (same parameter names)."""
 
+    hf: Any  # the transformers model (a PreTrainedModel), not a submodule
+
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__()
         if next(hf_model.named_parameters(recurse=False), None) is not None:
@@ -268,9 +270,9 @@ class HFValueModel(HFModule):
     """A transformers trunk (`AutoModel`, named `model.` as in `*ForSequenceClassification`)
     with the native ValueModel's zero-initialised `score` head and entry points."""
 
-    def __init__(self, trunk: nn.Module) -> None:
+    def __init__(self, trunk: Any) -> None:
         holder = nn.Module()
-        holder.config = trunk.config  # type: ignore[assignment]
+        holder.config = trunk.config
         holder.model = trunk
         super().__init__(holder)
         object.__setattr__(self, "hf", trunk)
@@ -288,7 +290,7 @@ class HFValueModel(HFModule):
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        out = self.model(
+        out = self.hf(  # the trunk
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,

@@ -39,7 +39,9 @@ from pipeline.training.micro_batching import MicroBatch
 from pipeline.training.transformers_path import for_transformers
 
 
-def _load_value_model(model: str | os.PathLike[str] | ValueModel, config: TrainerConfig) -> ValueModel:
+def _load_value_model(
+    model: str | os.PathLike[str] | ValueModel, config: TrainerConfig
+) -> ValueModel:
     """The native ValueModel or a value head on transformers' trunk (HFValueModel)."""
     if isinstance(model, torch.nn.Module):
         return model

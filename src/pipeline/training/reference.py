@@ -42,7 +42,7 @@ class ReferencePolicy:
             )
         if isinstance(model, HFModule):
             self.config = for_transformers(config)
-        self.model: CausalLM = place_model(model, self.config, self.info, trainable=False)  # type: ignore[assignment]
+        self.model: CausalLM = place_model(model, self.config, self.info, trainable=False)  # type: ignore[assignment, arg-type]
 
     def warm_up(self, batches: list[ExperienceBatch]) -> float:
         """Compile what its forward runs on each batch; the seconds it took."""

@@ -50,7 +50,9 @@ def place_hf_model(
     model = model.to(device=info.device, dtype=single_dtype)
     model.eval()
     if config.activation_checkpointing and trainable:
-        model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.hf.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
         for layer in model.decoder_layers():
             layer.training = True  # transformers checkpoints a layer in training mode only
     if is_distributed():

@@ -86,3 +86,23 @@ def test_gemma2_trains_with_grpo_through_transformers_and_exports(tmp_path):
 def test_a_family_trains_through_transformers(tmp_path, family, algorithm):
     run = run_family(tmp_path, family, algorithm)
     assert_export_has_the_learners_logits(run)
+
+
+@pytest.mark.slow
+def test_a_moe_model_trains_sharded_per_decoder_layer(tmp_path):
+    """KL-PPO of Qwen3-MoE with a learner and a critic of 2 FSDP ranks each (gloo): the
+    transformers model sharded per decoder layer, gathered for the engine and the export."""
+    model = make_family("qwen3_moe", tmp_path / "qwen3_moe")
+    run = cli_run(
+        tmp_path / "runs",
+        "sharded",
+        *("--model.path", str(model), *SHORT),
+        *("--services.learner.fsdp_size", "2", "--services.critic.fsdp_size", "2"),
+        profile=PROFILES["ppo"],
+    )
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 3
+    first = json.loads((run / "metrics/steps.jsonl").read_text().splitlines()[0])
+    assert first["mismatch/same_version_frac"] == 1.0
+    assert first["mismatch/max_abs_diff"] < 1e-4
+    assert_export_has_the_learners_logits(run)

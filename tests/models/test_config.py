@@ -62,7 +62,7 @@ def test_qwen2_hf_dict_implies_qkv_bias_and_qwen3_implies_qk_norm():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"model_type": "mistral"}, "model_type='mistral' is not supported"),
+        ({"model_type": "gemma"}, "model_type='gemma' is not supported"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
         ({"hidden_size": 0}, "hidden_size must be a positive int"),
         ({"torch_dtype": "float64"}, "torch_dtype='float64' is not supported"),
@@ -85,6 +85,7 @@ def test_invalid_config_raises_config_error_naming_the_field(changes: dict, mess
         ({"mlp_bias": True}, "mlp_bias=true is not supported"),
         ({"model_type": "gemma"}, "model_type='gemma' is not supported"),
         ({"model_type": "qwen2", "num_attention_heads": 2}, "qwen2 requires head_dim"),
+        ({"model_type": "mistral", "sliding_window": 2}, "sliding_window=2 is shorter"),
     ],
 )
 def test_unsupported_hf_features_raise_config_error(changes: dict, message: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from pipeline.config import load_config, parse_override_args
 from pipeline.config.profile import resolve_profile
@@ -31,6 +32,10 @@ def run_command(args: argparse.Namespace, rest: list[str]) -> int:
         )
     if args.resume and not (existing / "config.json").exists():
         raise ConfigError(f"--resume: no run named {name!r} in {existing.parent}")
+    if config.model.path and (Path(config.model.path) / "config.json").is_file():
+        from pipeline.models.hf_causal import rollout_choice
+
+        rollout_choice(config.model.path, config.rollout.engine)  # refused here, not mid-run
     if not config.model.path and config.task.warm_start_steps > 0:
         print(
             f"note: the generated tiny model gets a supervised warm start of "

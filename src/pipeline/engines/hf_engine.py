@@ -41,12 +41,14 @@ _PAD_ID = 0
 class HFEngineConfig:
     """max_batch: samples per generate call. static_cache: transformers' StaticCache.
     compile: let transformers torch.compile the decode forward (it does so only with a
-    static cache; on CPU only through an explicit compile_config)."""
+    static cache; on CPU only through an explicit compile_config). attn_implementation:
+    None lets transformers choose (SDPA where the architecture supports it, else eager:
+    Gemma 2's soft-capped attention), as the learner's transformers path does."""
 
     max_batch: int = 32
     static_cache: bool = False
     compile: bool = False
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = None
     seed: int = 0
 
 

@@ -74,13 +74,12 @@ def checkpoint_params(
     `named_parameters` of the same model (HF names, full shapes; a tied lm_head is the
     embedding and is not sent), in `dtype` (default: the checkpoint's). The names vLLM's
     loaders take in checkpoint format, not its fused kernel parameters (qkv_proj, ...)."""
-    from pipeline.models import CausalLM
-    from pipeline.models.hf_io import read_config
+    from pipeline.models.hf_causal import meta_causal_lm, read_hf_config
 
-    config = read_config(model_path)
-    with torch.device("meta"):  # shapes only, no storage
-        model = CausalLM(config)
-    serving = dtype or config.dtype
+    model = meta_causal_lm(model_path)  # shapes only, no storage; native or transformers'
+    raw = read_hf_config(model_path)
+    saved = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
+    serving = dtype or getattr(torch, saved)
     return {name: ParamSpec(tuple(p.shape), serving) for name, p in model.named_parameters()}
 
 

@@ -1,10 +1,12 @@
-"""ModelConfig: the one typed description of a llama / qwen2 / qwen3 decoder.
+"""ModelConfig: the one typed description of a llama / qwen2 / qwen3 (/ mistral) decoder.
 
 It reads and writes Hugging Face `config.json` dictionaries so that checkpoints move freely
 between this project, transformers and vLLM. Anything the native decoder cannot represent
 (sliding windows, biased MLPs, other activations, unknown RoPE types) is refused with a
 ConfigError instead of being silently ignored, because a silently different architecture
-produces plausible-looking but wrong log-probs.
+produces plausible-looking but wrong log-probs. Mistral is Llama with a sliding window: it is
+native only where the window never binds (none, or at least max_position_embeddings);
+`models/hf_causal.py` sends the others, and every other family, to transformers' modeling.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ import torch
 
 from pipeline.errors import ConfigError
 
-ModelType = Literal["llama", "qwen2", "qwen3"]
+ModelType = Literal["llama", "qwen2", "qwen3", "mistral"]
 
-_ARCH_PREFIX: dict[str, str] = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_ARCH_PREFIX: dict[str, str] = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+}
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -250,6 +257,8 @@ class ModelConfig:
                 f"{sorted(_ARCH_PREFIX)}"
             )
         _refuse_unsupported_hf_features(raw)
+        if model_type == "mistral":
+            _refuse_binding_window(raw)
         for key in (
             "vocab_size",
             "hidden_size",
@@ -277,7 +286,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(raw.get("attention_bias")),
+            attention_bias=_attention_bias(model_type, raw),
             qk_norm=model_type == "qwen3",
             torch_dtype=str(dtype).removeprefix("torch."),
             extra={k: v for k, v in raw.items() if k not in _MANAGED_KEYS},
@@ -318,9 +327,33 @@ class ModelConfig:
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = False
+        elif self.model_type == "mistral":
+            out["sliding_window"] = None  # native: the window never binds (from_hf_dict)
+            out.pop("attention_bias")  # MistralAttention has no bias, nor this key
         else:
             out["use_sliding_window"] = False
         return out
+
+
+def _attention_bias(model_type: str, raw: dict[str, Any]) -> bool:
+    if model_type == "qwen2":
+        return True
+    if model_type == "mistral":
+        return False  # transformers' MistralAttention has bias-free projections
+    return bool(raw.get("attention_bias"))
+
+
+def _refuse_binding_window(raw: dict[str, Any]) -> None:
+    """Mistral attends within a sliding window, which the native decoder does not have: it
+    runs natively only where the window covers every position the model takes."""
+    window = raw.get("sliding_window")
+    longest = int(raw.get("max_position_embeddings", 4096))
+    if window is not None and int(window) < longest:
+        raise ConfigError(
+            f"mistral sliding_window={window} is shorter than max_position_embeddings "
+            f"({longest}): the native decoder has no sliding window; this model runs "
+            "through transformers' modeling (models/hf_causal.py)"
+        )
 
 
 def _model_type_from_architectures(architectures: list[str]) -> str | None:

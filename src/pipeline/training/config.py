@@ -291,6 +291,11 @@ class TrainerConfig(PolicyTrainerSection):
     seed: int = 0
     # low-rank adapters (learner.lora; rank 0: off)
     lora: LoraSection = LoraSection()
+    # the model's modeling: "auto" runs the native decoder for the families it implements
+    # and transformers' AutoModelForCausalLM for any other (models/hf_causal.py);
+    # "transformers" forces transformers' for a native family too (the library's option:
+    # bench/hf_path.py measures the two)
+    implementation: Literal["auto", "native", "transformers"] = "auto"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> TrainerConfig:

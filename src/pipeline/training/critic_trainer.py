@@ -24,7 +24,8 @@ from pipeline.algorithms import (
     masked_sum,
 )
 from pipeline.errors import ConfigError
-from pipeline.models import ValueModel, load_model
+from pipeline.models import ValueModel
+from pipeline.models.hf_causal import HFModule, load_for_training
 from pipeline.training.advantages import global_whiten, token_rewards, vtrace
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint
@@ -35,14 +36,19 @@ from pipeline.training.errors import BatchError
 from pipeline.training.forward import micro_values, no_grad_plan
 from pipeline.training.metrics import MetricSums
 from pipeline.training.micro_batching import MicroBatch
+from pipeline.training.transformers_path import for_transformers
 
 
-def _load_value_model(model: str | os.PathLike[str] | ValueModel) -> ValueModel:
-    if isinstance(model, ValueModel):
+def _load_value_model(
+    model: str | os.PathLike[str] | ValueModel, config: TrainerConfig
+) -> ValueModel:
+    """The native ValueModel or a value head on transformers' trunk (HFValueModel)."""
+    if isinstance(model, torch.nn.Module):
         return model
-    loaded = load_model(model, dtype=torch.float32, value_head=True)
-    assert isinstance(loaded, ValueModel)
-    return loaded
+    loaded = load_for_training(
+        model, value_head=True, implementation=config.implementation, role="critic"
+    )
+    return loaded  # type: ignore[return-value]
 
 
 class CriticTrainer:
@@ -61,7 +67,10 @@ class CriticTrainer:
         self.config.validate()
         self.algorithm.validate()
         self.info = dist or current_dist_info(self.config.device)
-        self.engine = TrainEngine(_load_value_model(model), self.config, self.info, name="critic")
+        value_model = _load_value_model(model, self.config)
+        if isinstance(value_model, HFModule):
+            self.config = for_transformers(self.config)
+        self.engine = TrainEngine(value_model, self.config, self.info, name="critic")
 
     @property
     def model(self) -> ValueModel:

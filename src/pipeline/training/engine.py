@@ -112,6 +112,12 @@ def place_model(
     when sharded, `ComputeWeights` swaps in compute copies in a single process. A frozen
     model gets no gradients and, in a single process, is simply stored in the compute dtype.
     """
+    from pipeline.models.hf_causal import HFModule
+
+    if isinstance(model, HFModule):  # transformers' modeling: training/transformers_path.py
+        from pipeline.training.transformers_path import place_hf_model
+
+        return place_hf_model(model, config, info, trainable=trainable)  # type: ignore[return-value]
     if config.compile:
         allow_recompiles()
     single_dtype = torch.float32

@@ -39,6 +39,8 @@ def export_hf(
     `lora`: the model carries adapters; `path` gets the merged weights and
     `lora.adapter_dir(path)` the adapters alone (peft's format).
     """
+    from pipeline.models.hf_causal import HFModule, save_hf_model
+
     state = full_state_dict(model)
     if current_dist_info("cpu").is_main:
         if lora is not None:
@@ -48,6 +50,10 @@ def export_hf(
             write_adapter(adapter, lora, adapter_dir(path))
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        if isinstance(model, HFModule):  # transformers' modeling: its own save_pretrained
+            save_hf_model(model, state, path)
+            barrier()
+            return
         # type(model) may be FSDP's dynamic subclass; build the plain class
         cls: type[DecoderBase] = ValueModel if isinstance(model, ValueModel) else CausalLM
         with torch.device("meta"):

@@ -33,7 +33,8 @@ from pipeline.algorithms import (
     truncated_is_weights,
 )
 from pipeline.errors import ConfigError
-from pipeline.models import CausalLM, load_model
+from pipeline.models import CausalLM
+from pipeline.models.hf_causal import HFModule, load_for_training
 from pipeline.training.advantages import global_whiten, group_advantages, vtrace
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.checkpoint import LoadedCheckpoint
@@ -56,6 +57,7 @@ from pipeline.training.micro_batching import MicroBatch
 from pipeline.training.phase_clock import PhaseClock
 from pipeline.training.proximal_reuse import ReuseCheck
 from pipeline.training.reference import ReferencePolicy
+from pipeline.training.transformers_path import for_transformers
 
 _BATCH_KEYS = (
     "batch/samples",
@@ -71,12 +73,12 @@ _VTRACE_TRUNCATION_TOL = 1e-3
 _VTRACE_KEYS = ("vtrace/truncated_tokens", "vtrace/adv_change_sum")
 
 
-def _load_causal_lm(model: str | os.PathLike[str] | CausalLM) -> CausalLM:
-    if isinstance(model, CausalLM):
+def _load_causal_lm(model: str | os.PathLike[str] | CausalLM, config: TrainerConfig) -> CausalLM:
+    """The native CausalLM or transformers' (HFCausalLM: same entry points, same names)."""
+    if isinstance(model, torch.nn.Module):
         return model
-    loaded = load_model(model, dtype=torch.float32)
-    assert isinstance(loaded, CausalLM)
-    return loaded
+    loaded = load_for_training(model, implementation=config.implementation, role="learner")
+    return loaded  # type: ignore[return-value]
 
 
 class PendingStep:
@@ -116,7 +118,9 @@ class PolicyTrainer:
         self.config.validate()
         self.algorithm.validate()
         self.info = dist or current_dist_info(self.config.device)
-        policy = _load_causal_lm(model)
+        policy = _load_causal_lm(model, self.config)
+        if isinstance(policy, HFModule):
+            self.config = for_transformers(self.config)
         keep_ref = self.config.keep_reference
         if keep_ref is None:
             keep_ref = self.algorithm.use_kl_loss or self.algorithm.kl_penalty_in_reward

@@ -13,12 +13,14 @@ import os
 import torch
 from torch import Tensor
 
-from pipeline.models import CausalLM, load_model
+from pipeline.models import CausalLM
+from pipeline.models.hf_causal import HFModule, load_for_training
 from pipeline.training.batch import ExperienceBatch
 from pipeline.training.config import TrainerConfig
 from pipeline.training.distributed import DistInfo, current_dist_info
 from pipeline.training.engine import place_model
 from pipeline.training.forward import response_logprobs
+from pipeline.training.transformers_path import for_transformers
 
 
 class ReferencePolicy:
@@ -34,11 +36,13 @@ class ReferencePolicy:
     ) -> None:
         self.config = config
         self.info = dist or current_dist_info(config.device)
-        if not isinstance(model, CausalLM):
-            loaded = load_model(model, dtype=torch.float32)
-            assert isinstance(loaded, CausalLM)
-            model = loaded
-        self.model: CausalLM = place_model(model, config, self.info, trainable=False)  # type: ignore[assignment]
+        if not isinstance(model, torch.nn.Module):
+            model = load_for_training(  # type: ignore[assignment]
+                model, implementation=config.implementation, role="reference"
+            )
+        if isinstance(model, HFModule):
+            self.config = for_transformers(config)
+        self.model: CausalLM = place_model(model, self.config, self.info, trainable=False)  # type: ignore[assignment, arg-type]
 
     def warm_up(self, batches: list[ExperienceBatch]) -> float:
         """Compile what its forward runs on each batch; the seconds it took."""

@@ -297,6 +297,7 @@ def build_engine(ctx: Any) -> Any:
     import torch
 
     from pipeline.engines import make_engine
+    from pipeline.models.hf_causal import log_choice, rollout_choice
     from pipeline.tasks.prepare import model_dir
 
     config = ctx.config
@@ -313,9 +314,11 @@ def build_engine(ctx: Any) -> Any:
         options["tp"] = tp_group(ctx)
     if config.rollout.engine == "vllm" and config.services["rollout"].tp > 1:
         options["tensor_parallel_size"] = config.services["rollout"].tp
+    directory = model_dir(config, ctx.run_dir)
+    log_choice("rollout", rollout_choice(directory, config.rollout.engine))
     return make_engine(
         config.rollout.engine,
-        model_dir(config, ctx.run_dir),
+        directory,
         device=device,
         dtype=getattr(torch, config.model.dtype),
         max_batch=config.rollout.max_batch,

@@ -84,12 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.runtime.cli_args import service_args
 
         try:
-            args, config = service_args(argv[1], argv[2:])
-            if args.supervise:
-                from pipeline.runtime.replica_supervisor import supervise_replica
-
-                service_argv = [word for word in argv[2:] if word != "--supervise"]
-                return supervise_replica(config, argv[1], args.replica, service_argv)
+            _, config = service_args(argv[1], argv[2:])
             module = importlib.import_module(config.service_module(argv[1]))
             return int(module.main(argv[2:]))
         except ConfigError as exc:

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipeline.training.config import CPU_COMPILE_ENV
 from pipeline.wire.recording import QueueReader
+from tests.compiled_cpu import compiled_env
 
 REPO = Path(__file__).resolve().parents[2]
 # short runs: 4 prompts x 4 samples a step, one reward replica, a short warm start
@@ -572,7 +572,7 @@ def case_compiled_without_recompiles(tmp_path: Path) -> None:
     warmed up at start: the toy task's responses end at EOS, so every step packs other
     lengths, and none recompiles."""
     # on CPU, kernels "auto" compiles the blocks with this backend (packed micro-batches)
-    compiled = {CPU_COMPILE_ENV: "aot_eager"}
+    compiled = {"PYTHONPATH": compiled_env()["PYTHONPATH"]}
     run = run_pipeline(tmp_path, PPO, {"controller.steps": "8"}, env=compiled)
     assert run.events("learner-0", "warmed_up") and run.events("critic-0", "warmed_up")
     lengths = {round(s["response_len_mean"], 3) for s in run.steps}

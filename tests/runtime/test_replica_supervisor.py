@@ -110,3 +110,18 @@ def test_a_service_left_out_of_the_end_of_the_run_is_stopped(tmp_path):
 
     threading.Thread(target=end_run, daemon=True).start()
     assert sup.run() == 128 + signal.SIGTERM
+
+
+def test_python_m_service_takes_supervise_as_pipeline_service_does(tmp_path):
+    """`python -m services.ROLE --supervise` runs the replica as a supervised child (here a
+    stand-in module that exits 0 at once), and records it; unsupervised it would serve."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "services.reward", "--supervise"]
+    cmd += ["--profile", "profiles/local-cpu.toml", "--run.runs_dir", str(tmp_path)]
+    cmd += ["--run.name", "r", "--services.reward.module", "tests.standin.exits"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "r" / "supervisor" / "reward-0.json").read_text())
+    assert record["restarts"] == 0
+    assert [e.get("exit") for e in record["events"] if "exit" in e] == [0]

@@ -53,6 +53,19 @@ def service_args(role: str, argv: list[str] | None) -> tuple[argparse.Namespace,
     return args, config
 
 
+def supervised(
+    role: str, args: argparse.Namespace, config: PipelineConfig, argv: list[str] | None
+) -> int | None:
+    """With --supervise: the replica runs as a child, restarted as `pipeline run` would
+    (runtime/replica_supervisor.py), and this is its exit code; None without it."""
+    if not args.supervise:
+        return None
+    from pipeline.runtime.replica_supervisor import supervise_replica
+
+    words = sys.argv[1:] if argv is None else argv
+    return supervise_replica(config, role, args.replica, [w for w in words if w != "--supervise"])
+
+
 def config_refused(exc: ConfigError) -> int:
     """What a service whose config is refused returns: it says why, and exits with a code
     the supervisor does not restart (a restart cannot fix a config)."""
@@ -75,6 +88,8 @@ def _run_service(role: str, service_cls: type[Service], argv: list[str] | None) 
     from pipeline.transport.channel import run_async
 
     args, config = service_args(role, argv)
+    if (code := supervised(role, args, config, argv)) is not None:
+        return code
     pin_devices(config, role, args.replica)
     compile_caches(config, on_gpu=bool(config.devices(role, args.replica)))
     link = ranks.join(config, role, args.replica)

@@ -31,9 +31,6 @@ _SECTION = "trainer"
 
 
 Kernels = Literal["auto", "off"]
-# the torch.compile backend with which CPU tests compile a trainer whose kernels are "auto"
-# (aot_eager: dynamo's frames and guards, no kernels generated); unset: no compile on CPU
-CPU_COMPILE_ENV = "PIPELINE_CPU_COMPILE"
 # peak dense bf16 FLOP/s of one device, by a part of its CUDA name (first match; MFU)
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),
@@ -240,7 +237,7 @@ class TrainerConfig(PolicyTrainerSection):
     # longest sequence): micro-batches of new lengths never recompile mid-run
     compile_dynamic: bool = True
     # torch.compile's backend: "inductor" (Triton/C++ kernels), or "aot_eager" to check
-    # what compiles without generating kernels (the CPU tests: CPU_COMPILE_ENV)
+    # what compiles without generating kernels
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     # the micro-batch's policy loss and metrics (training/loss_terms.py) as one compiled
     # function, dynamic shapes: a few fused kernels each way instead of ~190 small ones
@@ -448,18 +445,9 @@ def kernel_switches(
     if kernels == "off":
         return {"padding_free": False, "fused_optimizer": False, "flat_optimizer": False}
     if device_type != "cuda":
-        backend = os.environ.get(CPU_COMPILE_ENV, "")
-        if not backend:
-            # on CPU a padded micro-batch beats padding-free packing (its block-diagonal
-            # mask is dense)
-            return {"padding_free": False}
-        # the CPU tests' compiled trainer: the blocks compiled, no kernels generated
-        return {
-            "padding_free": True,
-            "compile": True,
-            "compile_backend": backend,
-            "compile_scope": "blocks",
-        }
+        # on CPU a padded micro-batch beats padding-free packing (its block-diagonal mask
+        # is dense), and nothing compiles
+        return {"padding_free": False}
     switches: dict[str, Any] = {
         "padding_free": True,
         "pack_bucket_tokens": 1024,

@@ -512,11 +512,13 @@ def schedule_rows(entry: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.runtime.cli_args import config_refused, service_args
+    from pipeline.runtime.cli_args import config_refused, service_args, supervised
     from pipeline.transport.channel import run_async
 
     try:
         args, config = service_args("controller", argv)
+        if (code := supervised("controller", args, config, argv)) is not None:
+            return code
         configure_logging()
         bind_process(service="controller")
         summary = run_async(Controller(config, layout.run_dir(config)).run())

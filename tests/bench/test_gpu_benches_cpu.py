@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 from bench.common import KEYS
-from tests.compiled_cpu import compiled_env
+from tests.run_patches import patch_vars
 
 from bench import all_gpu
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PIPELINE_LOG_LEVEL": "warning"}
 # kernels "auto" on CPU: the trainers' blocks compiled by aot_eager (no kernels generated)
-COMPILED = {"PYTHONPATH": compiled_env()["PYTHONPATH"]}
+COMPILED = patch_vars("compiled_cpu")
 
 
 def run_bench(

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.compiled_cpu import compiled_env
+from tests.run_patches import patched_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ def test_learner_warms_up_before_any_controller_answers(tmp_path):
         "--rollout.n_samples", "4",
     ]  # fmt: skip
     # kernels "auto" on CPU: the blocks compiled by aot_eager
-    env = compiled_env(dict(os.environ, PIPELINE_LOG_JSON="1"))
+    env = patched_env("compiled_cpu", base=dict(os.environ, PIPELINE_LOG_JSON="1"))
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

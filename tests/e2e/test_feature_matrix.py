@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from pipeline.wire.recording import QueueReader
-from tests.compiled_cpu import compiled_env
+from tests.run_patches import patch_vars
 
 REPO = Path(__file__).resolve().parents[2]
 # short runs: 4 prompts x 4 samples a step, one reward replica, a short warm start
@@ -495,12 +495,8 @@ def _pause_rollout(
 
 
 # every process of the run takes short deadlines for the weight group and the metadata
-# round (module constants): tests/e2e/short_sync/sitecustomize.py patches them in
-SHORT_SYNC = {
-    "PYTHONPATH": os.pathsep.join(
-        p for p in [str(Path(__file__).parent / "short_sync"), os.environ.get("PYTHONPATH")] if p
-    )
-}
+# round (module constants): tests/run_patches_site patches them in
+SHORT_SYNC = patch_vars("short_sync")
 
 
 @pytest.mark.parametrize("bound", [0, 1, 2])
@@ -572,7 +568,7 @@ def case_compiled_without_recompiles(tmp_path: Path) -> None:
     warmed up at start: the toy task's responses end at EOS, so every step packs other
     lengths, and none recompiles."""
     # on CPU, kernels "auto" compiles the blocks with this backend (packed micro-batches)
-    compiled = {"PYTHONPATH": compiled_env()["PYTHONPATH"]}
+    compiled = patch_vars("compiled_cpu")
     run = run_pipeline(tmp_path, PPO, {"controller.steps": "8"}, env=compiled)
     assert run.events("learner-0", "warmed_up") and run.events("critic-0", "warmed_up")
     lengths = {round(s["response_len_mean"], 3) for s in run.steps}

@@ -141,6 +141,37 @@ class HFModule(nn.Module):
         self.hf.training = mode
         return self
 
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The model's output per position, (b, s, ...)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(b, s, ...) outputs; attention_mask (b, s) of 1/0 for padding."""
+        return self._run(input_ids, position_ids, attention_mask)
+
+    def forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int | None = None,
+        uniform: bool = False,
+    ) -> torch.Tensor:
+        """(1, total, ...) outputs of packed sequences (run padded, see the module doc)."""
+        ids, positions, mask, flat = _unpack(input_ids, position_ids, cu_seqlens)
+        out = self._run(ids, positions, mask)
+        return out.reshape(-1, *out.shape[2:])[flat].unsqueeze(0)
+
     def decoder_layers(self) -> list[nn.Module]:
         """The repeated blocks (transformers' `_no_split_modules`): one FSDP group each."""
         names = set(getattr(self.hf, "_no_split_modules", None) or [])
@@ -192,9 +223,10 @@ def _token_stats(
 
 
 class HFCausalLM(HFModule):
-    """`AutoModelForCausalLM` with the native CausalLM's training entry points."""
+    """`AutoModelForCausalLM` with the native CausalLM's training entry points: its
+    outputs are the logits (b, s, vocab)."""
 
-    def _logits(
+    def _run(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
@@ -208,28 +240,6 @@ class HFCausalLM(HFModule):
         )
         logits: torch.Tensor = out.logits
         return logits  # (b, s, vocab)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits (b, s, vocab); attention_mask (b, s) of 1/0 for padding."""
-        return self._logits(input_ids, position_ids, attention_mask)
-
-    def forward_packed(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int | None = None,
-        uniform: bool = False,
-    ) -> torch.Tensor:
-        """Logits (1, total, vocab) of packed sequences (run padded, see the module doc)."""
-        ids, positions, mask, flat = _unpack(input_ids, position_ids, cu_seqlens)
-        logits = self._logits(ids, positions, mask)
-        return logits.reshape(-1, logits.shape[-1])[flat].unsqueeze(0)
 
     def token_logprobs(
         self,
@@ -252,11 +262,9 @@ class HFCausalLM(HFModule):
         if cu_seqlens is not None:
             if position_ids is None:
                 raise ValueError("packed token_logprobs needs position_ids")
-            ids, positions, mask, flat = _unpack(input_ids, position_ids, cu_seqlens)
-            logits = self._logits(ids, positions, mask)
-            logits = logits.reshape(-1, logits.shape[-1])[flat].unsqueeze(0)  # (1, total, V)
+            logits = self.forward_packed(input_ids, position_ids, cu_seqlens)  # (1, total, V)
         else:
-            logits = self._logits(input_ids, position_ids, attention_mask)
+            logits = self._run(input_ids, position_ids, attention_mask)
         if score_index is not None:
             logits = logits.reshape(-1, logits.shape[-1]).index_select(0, score_index)
             target_ids = target_ids.reshape(-1)[score_index]  # (n,)
@@ -284,7 +292,7 @@ class HFValueModel(HFModule):
         """Zero head, as the native value head: a fresh critic predicts 0 everywhere."""
         nn.init.zeros_(self.score.weight)
 
-    def _values(
+    def _run(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
@@ -297,28 +305,7 @@ class HFValueModel(HFModule):
             use_cache=False,
         )
         hidden: torch.Tensor = out.last_hidden_state  # (b, s, hidden)
-        return self.score(hidden).squeeze(-1).float()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Values (b, s) in float32."""
-        return self._values(input_ids, position_ids, attention_mask)
-
-    def forward_packed(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int | None = None,
-        uniform: bool = False,
-    ) -> torch.Tensor:
-        """Values (1, total) of packed sequences (run padded)."""
-        ids, positions, mask, flat = _unpack(input_ids, position_ids, cu_seqlens)
-        return self._values(ids, positions, mask).reshape(-1)[flat].unsqueeze(0)
+        return self.score(hidden).squeeze(-1).float()  # values (b, s), float32
 
 
 def load_hf_causal_lm(path: str | os.PathLike[str]) -> HFCausalLM:

@@ -28,22 +28,13 @@ from types import FrameType
 from typing import Any
 
 from pipeline.config import PipelineConfig
-from pipeline.errors import EXIT_CONFIG
 from pipeline.log import get_logger
 from pipeline.runtime import layout
-from pipeline.runtime.restart_budget import RestartBudget
+from pipeline.runtime.restart_budget import RestartBudget, restartable
 from pipeline.runtime.supervisor import RESTART_BACKOFF_S, RESTART_WINDOW_S, run_end
 
 # seconds between looks at the run's end while the service runs
 POLL_S = 0.5
-
-
-def restartable(role: str, code: int) -> bool:
-    """Whether a replica that exited with `code` (negative: killed by that signal) is
-    started again, budget permitting."""
-    if code == 0 or code == EXIT_CONFIG:
-        return False
-    return code < 0 if role == "controller" else True
 
 
 class ReplicaSupervisor:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from pipeline.errors import EXIT_CONFIG
+
 
 class RestartBudget:
     def __init__(self, limit: int, window_s: float) -> None:
@@ -29,3 +31,13 @@ class RestartBudget:
     def recent(self) -> int:
         """Restarts inside the current window."""
         return len(self._times)
+
+
+def restartable(role: str, code: int) -> bool:
+    """Whether a service that exited with `code` (negative: killed by that signal) is
+    started again, budget permitting: not one that finished (0) or refused its config (a
+    restart would refuse it again); a controller only when a signal killed it (it resumes
+    from its journal), since one that exits on its own has ended the run."""
+    if code == 0 or code == EXIT_CONFIG:
+        return False
+    return code < 0 if role == "controller" else True

@@ -35,7 +35,7 @@ from pipeline.log import get_logger
 from pipeline.runtime import layout
 from pipeline.runtime.bytecode import bytecode_cache
 from pipeline.runtime.gpu_sharing import GpuSharing, MpsDaemon, choose
-from pipeline.runtime.restart_budget import RestartBudget
+from pipeline.runtime.restart_budget import RestartBudget, restartable
 from pipeline.transport.security import run_secret
 
 # the longest a controller may take to prepare a run (a tiny model's warm start included)
@@ -217,7 +217,7 @@ class Supervisor:
             return False
         if self._stopping:
             return True
-        if code == EXIT_CONFIG:  # refused its config: a restart would refuse it again
+        if not restartable(child.role, code):  # refused its config
             self.log.error("service_failed", service=child.name, code=code, reason="config")
             return False
         if child.budget is None:

@@ -83,12 +83,27 @@ def prompt_of(tokenizer, text: str, max_new_tokens: int, n: int = 1) -> tuple[Pr
     return prompt, ids
 
 
-def drive(tokenizer, spec: str, prompt, ids, *, options=None, max_turns=3, step_timeout_s=10.0):
+def drive(
+    tokenizer,
+    spec: str,
+    prompt,
+    ids,
+    *,
+    options=None,
+    max_turns=3,
+    step_timeout_s=10.0,
+    keep_kv=True,
+    engine_out: list | None = None,
+):
     """The group's episodes, and the engine's model (for an independent forward)."""
     model = bigram_model(tokenizer)
     engine = TorchEngine(model, TorchEngineConfig(max_batch=8, max_seq_len=64, seed=0))
+    if engine_out is not None:
+        engine_out.append(engine)
     pool = EnvPool(spec, options=options, workers=2, step_timeout_s=step_timeout_s)
-    config = EnvironmentConfig(name=spec, max_turns=max_turns, step_timeout_s=step_timeout_s)
+    config = EnvironmentConfig(
+        name=spec, max_turns=max_turns, step_timeout_s=step_timeout_s, keep_kv=keep_kv
+    )
 
     async def main():
         runner = EngineRunner(engine, tokenizer, asyncio.get_running_loop())
@@ -136,9 +151,13 @@ def check_token_fields(model: CausalLM, ids: np.ndarray, sample) -> None:
     assert (sample.token_versions == 0).all()
 
 
-def test_a_tool_call_then_the_answer(tokenizer) -> None:
+@pytest.mark.parametrize("keep_kv", [True, False], ids=["kv-kept", "kv-recomputed"])
+def test_a_tool_call_then_the_answer(tokenizer, keep_kv: bool) -> None:
     prompt, ids = prompt_of(tokenizer, "xb", max_new_tokens=16, n=3)
-    samples, stats, model, counters = drive(tokenizer, "toy_lookup", prompt, ids)
+    engines: list[TorchEngine] = []
+    samples, stats, model, counters = drive(
+        tokenizer, "toy_lookup", prompt, ids, keep_kv=keep_kv, engine_out=engines
+    )
     assert [s.uid for s in samples] == ["p/0", "p/1", "p/2"]
     for sample in samples:
         # "?" ends the first turn; the tool's " 482 =" is the environment's; then the answer
@@ -149,7 +168,16 @@ def test_a_tool_call_then_the_answer(tokenizer) -> None:
     assert stats["rollout/turns"] == 2.0
     assert stats["rollout/tool_calls"] == 1.0 and stats["rollout/tool_errors"] == 0.0
     assert stats["rollout/masked_tokens"] == 6.0
-    assert stats["rollout/recomputed_tokens"] == len(ids) + 7.0  # turn 2 prefilled it all
+    # turn 2 is "?" (sampled last, never fed back) and the tool's 6 tokens; kept, the
+    # cache holds the rest; else it prefills the prompt and "?" again
+    if keep_kv:
+        assert stats["rollout/prefill_tokens"] == len(ids) + 7.0
+        assert stats["rollout/recomputed_tokens"] == 0.0
+    else:
+        assert stats["rollout/prefill_tokens"] == 2 * len(ids) + 7.0
+        assert stats["rollout/recomputed_tokens"] == len(ids)
+    assert stats["rollout/kv_evicted"] == 0.0
+    assert len(engines[0].sessions) == 0  # every episode released its kept cache
     assert stats["rollout/env_errors"] == stats["rollout/env_timeouts"] == 0.0
     assert stats["rollout/env_seconds"] > 0
     assert (counters.episodes, counters.steps, counters.errors) == (3, 6, 0)
@@ -266,10 +294,10 @@ def test_reset_text_takes_the_version_of_the_first_policy_token(tokenizer, tmp_p
     weights = {k: v.clone() for k, v in model.state_dict().items()}
 
     class UpdatedBeforeFirstTurn(EngineRunner):
-        async def generate(self, request, request_ids, extra_stop_ids=()):
+        async def generate_turn(self, request, request_ids, extra_stop_ids, session):
             if self.version == 0:
                 await asyncio.wrap_future(self.update_weights(weights, 1))
-            return await super().generate(request, request_ids, extra_stop_ids)
+            return await super().generate_turn(request, request_ids, extra_stop_ids, session)
 
     async def main():
         runner = UpdatedBeforeFirstTurn(engine, tokenizer, asyncio.get_running_loop())

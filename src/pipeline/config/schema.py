@@ -307,6 +307,10 @@ class EnvironmentConfig:
     step_timeout_s: float = 10.0
     # environment worker processes per rollout replica
     workers: int = 2
+    # the built-in engine keeps an episode's KV cache while it waits for its environment,
+    # and its next turn prefills only the new tokens (rollout.kv_on_update decides after a
+    # weight update); false: every turn prefills the whole sequence again
+    keep_kv: bool = True
 
     def validate(self) -> None:
         _require("environment.max_turns", self.max_turns, self.max_turns >= 1, ">= 1")

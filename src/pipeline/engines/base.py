@@ -71,6 +71,9 @@ class Engine(ABC):
     def has_unfinished(self) -> bool:
         """True while any sample is waiting or running."""
 
+    def release(self, session: str) -> None:  # noqa: B027 (engines that keep no sessions)
+        """End a session (GenerationRequest.session): free the KV cache kept for it."""
+
     def close(self) -> None:  # noqa: B027 (optional hook, most engines hold nothing to free)
         """Release backend resources; idempotent."""
 

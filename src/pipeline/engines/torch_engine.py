@@ -25,6 +25,10 @@ reuses the cached keys and values computed by the old weights (cheaper; later to
 from a mix of versions, as in PipelineRL). drain_on_update stops admitting while an update is
 pending and applies it once every running sample has finished, so no sample mixes versions.
 
+Multi-turn sessions (engines/sessions.py): a request with a session keeps its slot and KV
+cache when its sample finishes, and the session's next request prefills only the tokens past
+the cached prefix, into the same slot.
+
 Determinism: sampling noise is a hash of (sample seed, token index, vocab id), see rng.py.
 A request with a seed gets the same tokens whatever it is batched with and whenever it is
 admitted (up to round-off of batched logits deciding near-ties); requests without a seed
@@ -51,6 +55,7 @@ from pipeline.engines.errors import InvalidRequestError
 from pipeline.engines.host_copy import HostCopy, copy_to_host
 from pipeline.engines.rng import GumbelNoise, sample_key
 from pipeline.engines.sampling import RowParams, sample
+from pipeline.engines.sessions import Sessions
 from pipeline.engines.slot_state import SlotState
 from pipeline.engines.types import GenerationOutput, GenerationRequest, SamplingParams
 from pipeline.engines.weights import ModelWeights, ModuleWeightsEngine
@@ -123,8 +128,11 @@ class _Sample:
     params: SamplingParams
     key: int
     max_new: int
+    session: str | None = None
     slot: int = -1
     admit_clock: int = 0
+    offset: int = 0  # prompt tokens whose keys and values the slot already held at admission
+    evicted: bool = False  # the session's kept cache was evicted before this turn
 
     @property
     def truncates(self) -> bool:
@@ -220,6 +228,8 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         self._view: _RunningView | None = None
         self._free: list[int] = list(range(cfg.max_batch))  # min-heap of free slots
         self._unfinished: dict[str, int] = {}  # request_id -> samples not yet returned
+        self.sessions = Sessions()
+        self._in_engine: set[str] = set()  # sessions with a sample waiting or running
         self._clock = 0  # steps that produced tokens
         self._paused = False
         self.overlap = cfg.overlap if cfg.overlap is not None else self.device.type == "cuda"
@@ -278,6 +288,11 @@ class TorchEngine(ModuleWeightsEngine, Engine):
             raise InvalidRequestError(
                 f"request {request.request_id!r}: prompt ids must lie in [0, {self.vocab_size})"
             )
+        session = request.session
+        if session is not None and session in self._in_engine:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: session {session!r} has a request in flight"
+            )
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen).item())
@@ -285,8 +300,17 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         max_new = min(params.max_new_tokens, max_len - len(prompt) + 1)
         for index in range(params.n):
             key = sample_key(seed, index)
-            self._waiting.append(_Sample(request.request_id, index, prompt, params, key, max_new))
+            self._waiting.append(
+                _Sample(request.request_id, index, prompt, params, key, max_new, session)
+            )
         self._unfinished[request.request_id] = params.n
+        if session is not None:
+            self._in_engine.add(session)
+
+    def release(self, session: str) -> None:
+        slot = self.sessions.release(session, in_flight=session in self._in_engine)
+        if slot is not None:
+            heapq.heappush(self._free, slot)
 
     @torch.no_grad()
     def step(self) -> list[GenerationOutput]:
@@ -344,8 +368,10 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         if version is None:
             return  # withdrawn (the receiver timed out): the old weights keep serving
         self.state.version.fill_(version)  # the tag _emit writes per token, kept on the device
-        if self._running and self.config.kv_on_update == "recompute":
-            self._recompute_kv(list(self._running.values()))
+        if self.config.kv_on_update == "recompute":
+            self.sessions.mark_stale()
+            if self._running:
+                self._recompute_kv(list(self._running.values()))
         _log.info(
             "weights applied",
             version=version,
@@ -358,13 +384,20 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         admitted: list[_Sample] = []
         longest = 0
         budget = self.config.max_prefill_tokens
-        while self._waiting and self._free:
+        while self._waiting:
             nxt = self._waiting[0]
-            width = max(longest, len(nxt.prompt_ids))
+            kept = self.sessions.peek(nxt.session)
+            if kept is None and not self._free and not self._evict():
+                break
+            offset = 0 if kept is None else kept.reusable(nxt.prompt_ids)
+            width = max(longest, len(nxt.prompt_ids) - offset)
             if admitted and (len(admitted) + 1) * width > budget:
                 break
             self._waiting.popleft()
-            nxt.slot = heapq.heappop(self._free)
+            if nxt.session is not None:
+                _, nxt.evicted = self.sessions.take(nxt.session)
+            nxt.slot = heapq.heappop(self._free) if kept is None else kept.slot
+            nxt.offset = offset
             nxt.admit_clock = self._clock
             self._running[nxt.slot] = nxt
             admitted.append(nxt)
@@ -373,6 +406,14 @@ class TorchEngine(ModuleWeightsEngine, Engine):
             self._view = None
             self._write_params(admitted)
         return admitted
+
+    def _evict(self) -> bool:
+        """Free the slot of the least recently kept session, if any is kept."""
+        slot = self.sessions.evict()
+        if slot is None:
+            return False
+        heapq.heappush(self._free, slot)
+        return True
 
     def _write_params(self, samples: list[_Sample]) -> None:
         st, dev = self.state, self.device
@@ -399,21 +440,27 @@ class TorchEngine(ModuleWeightsEngine, Engine):
     # -- forward passes --------------------------------------------------------------------
 
     def _prefill(self, samples: list[_Sample]) -> torch.Tensor:
-        """Batched prefill of new samples, sampling their first token; finished flags (k,)."""
-        lengths = [len(s.prompt_ids) for s in samples]
+        """Batched prefill of new samples, sampling their first token; finished flags (k,).
+        A session's next turn prefills only its prompt past the slot's cached prefix."""
+        chunks = [s.prompt_ids[s.offset :] for s in samples]
+        lengths = [len(c) for c in chunks]
         width = max(lengths)
         ids = torch.tensor(
-            [s.prompt_ids + [0] * (width - n) for s, n in zip(samples, lengths, strict=True)],
+            [c + [0] * (width - n) for c, n in zip(chunks, lengths, strict=True)],
             device=self.device,
         )  # (k, width)
         lens = torch.tensor(lengths, device=self.device)  # (k,)
+        offsets = torch.tensor([s.offset for s in samples], device=self.device)  # (k,)
         cols = torch.arange(width, device=self.device)
-        positions = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1)  # (k, width)
+        positions = torch.where(
+            cols[None, :] < lens[:, None], offsets[:, None] + cols[None, :], -1
+        )  # (k, width)
         slots = torch.tensor([s.slot for s in samples], device=self.device)  # (k,)
         st = self.state
         st.tokens[slots[:, None], torch.where(positions >= 0, positions, st.sink)] = ids
-        st.length[slots] = lens
-        logits = self._prefill_forward(samples, ids, positions, slots, lens)  # (k, vocab)
+        st.length[slots] = offsets + lens
+        kv_len = max(len(s.prompt_ids) for s in samples)
+        logits = self._prefill_forward(samples, ids, positions, slots, lens, kv_len)
         return self._emit(
             slots,
             logits,
@@ -428,21 +475,21 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         positions: torch.Tensor,
         slots: torch.Tensor,
         lens: torch.Tensor,
+        kv_len: int,
     ) -> torch.Tensor:
         """The prefill's last-token logits (k, vocab): with shared_prefill, one row per
         prompt, its keys and values copied to its siblings' slots."""
-        width = ids.shape[1]
         leader = _prompt_leaders(samples) if self.config.shared_prefill else list(range(len(ids)))
         leaders = sorted(set(leader))
         self.prefill_rows += len(leaders)
         self.prefill_samples += len(samples)
         if len(leaders) == len(samples):
             return self.model.forward_cached(
-                ids, positions, slots, self.cache, kv_len=width, logits_at=lens - 1
+                ids, positions, slots, self.cache, kv_len=kv_len, logits_at=lens - 1
             )
         lead = torch.tensor(leaders, device=self.device)  # (u,)
         logits = self.model.forward_cached(
-            ids[lead], positions[lead], slots[lead], self.cache, kv_len=width,
+            ids[lead], positions[lead], slots[lead], self.cache, kv_len=kv_len,
             logits_at=lens[lead] - 1,
         )  # fmt: skip
         # indexed on the host: a boolean mask on the device would synchronise
@@ -453,7 +500,7 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         ]
         src, dst = torch.tensor(siblings, device=self.device).unbind(1)  # (k - u,) each
         for buf in (self.cache.k, self.cache.v):
-            buf[:, dst, :width] = buf[:, src, :width]
+            buf[:, dst, :kv_len] = buf[:, src, :kv_len]
         row = {j: r for r, j in enumerate(leaders)}
         return logits[torch.tensor([row[j] for j in leader], device=self.device)]
 
@@ -575,6 +622,10 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         )
         for s in finished:  # the gather above is queued before any later write to the slot
             del self._running[s.slot]
+            if s.session is not None:
+                self._in_engine.discard(s.session)
+                if self.sessions.keep(s.session, s.slot):
+                    continue
             heapq.heappush(self._free, s.slot)
         self._view = None
 
@@ -586,6 +637,8 @@ class TorchEngine(ModuleWeightsEngine, Engine):
             for i, s in enumerate(samples):
                 lo, hi = len(s.prompt_ids), lengths[i]
                 out_ids = tokens[i][lo:hi]
+                if s.session is not None:
+                    self.sessions.collected(s.session, tokens[i][:hi])
                 outputs.append(
                     GenerationOutput(
                         request_id=s.request_id,
@@ -597,6 +650,8 @@ class TorchEngine(ModuleWeightsEngine, Engine):
                         finish_reason=(
                             "stop" if out_ids[-1] in s.params.stop_token_ids else "length"
                         ),
+                        cached_tokens=s.offset,
+                        kv_evicted=s.evicted,
                     )
                 )
                 left = self._unfinished[s.request_id] - 1

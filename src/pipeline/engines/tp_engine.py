@@ -37,6 +37,7 @@ class _Step:
     """What every rank needs to take one step exactly as the leader does."""
 
     requests: list[GenerationRequest] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # sessions ended before this step
     apply: int | None = None  # the weight version to apply at this step
     paused: bool = False
     stop: bool = False
@@ -88,6 +89,7 @@ class TPEngine(Engine):
         self.weights._version = engine.weights.version
         engine.weights = self.weights
         self._added: list[GenerationRequest] = []
+        self._released: list[str] = []
         self._stopped = False
 
     @property
@@ -112,6 +114,10 @@ class TPEngine(Engine):
         self.engine.add_request(request)  # refused here, before any follower sees it
         self._added.append(request)
 
+    def release(self, session: str) -> None:
+        self._check_leader("release")
+        self._released.append(session)  # every rank frees the slot at the same step
+
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -125,8 +131,8 @@ class TPEngine(Engine):
     def step(self) -> list[GenerationOutput]:
         self._check_leader("step")
         self.weights.due = self.weights.parked_version()
-        plan = _Step(self._added, self.weights.due, self.paused)
-        self._added = []
+        plan = _Step(self._added, self._released, self.weights.due, self.paused)
+        self._added, self._released = [], []
         self._broadcast(plan)
         return self._take(plan, local_requests=False)
 
@@ -153,6 +159,8 @@ class TPEngine(Engine):
     # -- internals -------------------------------------------------------------------------
 
     def _take(self, plan: _Step, *, local_requests: bool) -> list[GenerationOutput]:
+        for session in plan.released:
+            self.engine.release(session)
         if local_requests:
             for request in plan.requests:
                 self.engine.add_request(request)

@@ -60,15 +60,27 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt to complete; request_id must be unique among the requests in flight."""
+    """One prompt to complete; request_id must be unique among the requests in flight.
+
+    session names a multi-turn episode (params.n must be 1): an engine that keeps sessions
+    holds the finished sample's KV cache under it, and the session's next request, whose
+    prompt continues that sequence, prefills only the tokens past the cached prefix. The
+    caller ends a session with `Engine.release`.
+    """
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    session: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise InvalidRequestError(f"request {self.request_id!r} has an empty prompt")
+        if self.session is not None and self.params.n != 1:
+            raise InvalidRequestError(
+                f"request {self.request_id!r}: a session continues one sequence, so n must "
+                f"be 1 (got {self.params.n})"
+            )
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,9 @@ class GenerationOutput:
     """One finished sample; logprobs and token_versions align with output_ids.
 
     token_versions holds the policy version whose weights produced each token; a sample that
-    straddles a weight update carries both versions.
+    straddles a weight update carries both versions. cached_tokens: prompt tokens served from
+    its session's kept KV cache (not prefilled again); kv_evicted: the session's cache had
+    been evicted for want of slots, so the whole prompt was prefilled again.
     """
 
     request_id: str
@@ -86,3 +100,5 @@ class GenerationOutput:
     logprobs: list[float]
     token_versions: list[int]
     finish_reason: FinishReason
+    cached_tokens: int = 0
+    kv_evicted: bool = False

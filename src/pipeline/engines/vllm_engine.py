@@ -218,7 +218,9 @@ class VLLMEngine(Engine):
             )
             track.versions.extend([self.weights.version] * len(new_ids))
             if out.finished:
-                finished.append(self._finish(out.request_id, completion.finish_reason))
+                # prompt tokens its prefix cache served (an episode's earlier turns)
+                cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+                finished.append(self._finish(out.request_id, completion.finish_reason, cached))
         return finished
 
     def close(self) -> None:
@@ -257,7 +259,7 @@ class VLLMEngine(Engine):
         self.llm.reset_prefix_cache(reset_running_requests=True)
         _log.info("weights applied", version=version, tensors=len(tensors))
 
-    def _finish(self, vllm_id: str, reason: str | None) -> GenerationOutput:
+    def _finish(self, vllm_id: str, reason: str | None, cached: int) -> GenerationOutput:
         track = self._tracks.pop(vllm_id)
         left = self._unfinished[track.request_id] - 1
         if left:
@@ -272,4 +274,5 @@ class VLLMEngine(Engine):
             logprobs=track.logprobs,
             token_versions=track.versions,
             finish_reason="stop" if reason == "stop" else "length",
+            cached_tokens=cached,
         )

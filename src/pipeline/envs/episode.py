@@ -3,9 +3,13 @@
 A turn generates until end-of-sequence, one of the environment's stop strings or the
 episode's token budget; its text goes to the environment, whose observation is appended as
 environment tokens, and the next turn continues from the whole sequence. Other episodes keep
-decoding in the engine's running batch while one waits for its environment. The next turn
-prefills the episode's sequence again (the engine keeps no KV cache across calls): those
-recomputed tokens are counted.
+decoding in the engine's running batch while one waits for its environment. With
+`environment.keep_kv` an episode is an engine session: the built-in engine keeps its KV cache
+while it waits, and the next turn prefills only the environment's tokens (and the last one
+sampled); otherwise, after a weight update under kv_on_update="recompute", or once evicted
+for want of slots, it prefills the whole sequence again. Per episode: prefill_tokens, the
+tokens prefilled; recomputed_tokens, those of them an earlier turn had already prefilled or
+generated; kv_evicted, turns whose kept cache had been evicted.
 
 A sample's response is every token after the prompt; `loss_mask` marks the policy's (1) and
 the environment's (0). Environment tokens carry log-prob 0 and the version of the policy
@@ -41,7 +45,9 @@ class EpisodeStats:
     env_timeouts: int = 0
     env_seconds: float = 0.0
     masked_tokens: int = 0
+    prefill_tokens: int = 0
     recomputed_tokens: int = 0
+    kv_evicted: int = 0
 
 
 @dataclass
@@ -52,6 +58,7 @@ class _Trace:
     logprobs: list[float]
     versions: list[int]
     mask: list[float]
+    turn_end: int = 0  # sequence length (prompt included) at the end of the last turn
 
     def add(self, ids: Any, logprobs: Any, versions: Any, policy: bool) -> None:
         self.ids += [int(t) for t in ids]
@@ -91,6 +98,7 @@ class EpisodeDriver:
         self.tokenizer = tokenizer
         self.pool = pool
         self.max_turns = config.max_turns
+        self.keep_kv = config.keep_kv
         self.stop_ids = stop_token_ids(tokenizer, pool.stop)
 
     async def run_group(
@@ -152,8 +160,10 @@ class EpisodeDriver:
             else:
                 stats.env_errors += 1
         except asyncio.CancelledError:
+            self._end_session(uid)
             asyncio.get_running_loop().create_task(self.pool.close_episode(uid, True))
             raise
+        self._end_session(uid)
         await self._timed(stats, self.pool.close_episode(uid, cancelled), "env_close", uid)
         stats.masked_tokens = int(len(trace.mask) - sum(trace.mask))
         stats.tool_used = int(stats.tool_calls > 0 and stats.tool_errors == 0)
@@ -191,15 +201,24 @@ class EpisodeDriver:
             top_p=prompt.top_p,
             top_k=prompt.top_k,
         )
-        if turn:
-            stats.recomputed_tokens += len(ids)
         stats.turns += 1
         start = time.time()
-        (out,) = await self.runner.generate(request, ids, extra_stop_ids=self.stop_ids)
+        session = f"{prompt.uid}/{index}" if self.keep_kv else None
+        out, cached, evicted = await self.runner.generate_turn(request, ids, self.stop_ids, session)
+        prefilled = len(ids) - cached
+        stats.prefill_tokens += prefilled
+        if turn:  # new since the last turn: the environment's tokens and the last one sampled
+            stats.recomputed_tokens += max(0, prefilled - (len(ids) - trace.turn_end) - 1)
+        stats.kv_evicted += int(evicted)
         if self.span is not None:
             self.span("turn", start, time.time(), uid=request.uid, tokens=len(out.response_ids))
         trace.add(out.response_ids, out.behaviour_logprobs, out.token_versions, policy=True)
+        trace.turn_end = len(ids) + len(out.response_ids)
         return out
+
+    def _end_session(self, uid: str) -> None:
+        if self.keep_kv:
+            self.runner.release(uid)
 
     def _observe(self, trace: _Trace, text: str, limit: int, version: int) -> None:
         if not text:

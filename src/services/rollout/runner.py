@@ -52,7 +52,8 @@ class EngineRunner:
         self.burst_max_s = burst_max_s
         self.tokenizer = tokenizer
         self.loop = loop
-        self._submit: queue.SimpleQueue[tuple[str, list[int], Any, _Pending]] = queue.SimpleQueue()
+        # requests with their callers' futures, and sessions to release (no future)
+        self._submit: queue.SimpleQueue[tuple[Any, _Pending | None]] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
         self._wake = threading.Event()
         self._closed = False
@@ -82,6 +83,9 @@ class EngineRunner:
             out["rollout/decode_batch_mean"] = engine.decode_rows / steps
         if hasattr(engine, "recomputed_rows"):
             out["rollout/recomputed_rows"] = float(engine.recomputed_rows)
+        if (sessions := getattr(engine, "sessions", None)) is not None:
+            out["rollout/kv_kept"] = float(len(sessions))
+            out["rollout/kv_evictions"] = float(sessions.evictions)
         if self.pauses:
             out["rollout/pauses"] = float(self.pauses)
             out["rollout/paused_s"] = self.paused_s
@@ -97,7 +101,36 @@ class EngineRunner:
     ) -> list[SampleArrays]:
         """The prompt's `n_samples` responses; each ends at end-of-sequence (unless the
         prompt's ignore_eos), at one of `extra_stop_ids` or at the prompt's token limit."""
-        from pipeline.engines import SamplingParams
+        return await self._submit_prompt(prompt, prompt_ids, extra_stop_ids).future
+
+    async def generate_turn(
+        self,
+        prompt: Prompt,
+        prompt_ids: np.ndarray,
+        extra_stop_ids: tuple[int, ...],
+        session: str | None,
+    ) -> tuple[SampleArrays, int, bool]:
+        """One turn of an episode (`prompt.n_samples` is 1) in `session` (None: keep no KV
+        cache): its sample, the prompt tokens served from the session's kept cache, and
+        whether that cache had been evicted."""
+        pending = self._submit_prompt(prompt, prompt_ids, extra_stop_ids, session)
+        (sample,) = await pending.future
+        out = pending.outputs[0]
+        return sample, int(getattr(out, "cached_tokens", 0)), bool(getattr(out, "kv_evicted", 0))
+
+    def release(self, session: str) -> None:
+        """End an episode's session: the engine frees the KV cache it kept."""
+        self._submit.put((session, None))
+        self._wake.set()
+
+    def _submit_prompt(
+        self,
+        prompt: Prompt,
+        prompt_ids: np.ndarray,
+        extra_stop_ids: tuple[int, ...],
+        session: str | None = None,
+    ) -> _Pending:
+        from pipeline.engines import GenerationRequest, SamplingParams
 
         if self._error is not None:
             raise self._error
@@ -110,9 +143,10 @@ class EngineRunner:
             n=prompt.n_samples,
         )
         pending = _Pending(prompt=prompt, future=self.loop.create_future())
-        self._submit.put((prompt.uid, [int(t) for t in prompt_ids], params, pending))
+        ids = [int(t) for t in prompt_ids]
+        self._submit.put((GenerationRequest(prompt.uid, ids, params, session), pending))
         self._wake.set()
-        return await pending.future
+        return pending
 
     async def warm_up(self, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> float:
         """Generate one step's worth of random prompts at the run's lengths before serving:
@@ -197,12 +231,13 @@ class EngineRunner:
         self.loop.call_soon_threadsafe(_resolve, pending.future, samples)
 
     def _take_submitted(self) -> None:
-        from pipeline.engines import GenerationRequest
-
         while not self._submit.empty():
-            uid, ids, params, pending = self._submit.get()
-            self._pending[uid] = pending
-            self.engine.add_request(GenerationRequest(uid, ids, params))
+            item, pending = self._submit.get()
+            if pending is None:
+                self.engine.release(item)
+                continue
+            self._pending[item.request_id] = pending
+            self.engine.add_request(item)
 
     def _loop(self) -> None:
         try:

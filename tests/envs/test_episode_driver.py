@@ -34,6 +34,7 @@ GAP = 6.0  # the scripted token's logit over every other's: log-probs clearly be
 BIGRAMS = {"b": "?", "=": "4", "4": "8", "8": "2"}  # anything else -> end-of-sequence
 ANSWER = "482"
 FAULTY = "tests.envs.faulty_envs:FaultyEnv"
+REPO_TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -313,3 +314,40 @@ def test_reset_text_takes_the_version_of_the_first_policy_token(tokenizer, tmp_p
     mask = np.asarray(sample.extra["loss_mask"])
     assert mask[0] == 0 and (mask == 1).any()  # FaultyEnv greets: reset text comes first
     assert (np.asarray(sample.token_versions) == 1).all(), sample.token_versions
+
+
+def test_a_group_whose_episodes_all_wait_on_the_environment_leaves_room(tokenizer) -> None:
+    """While every open episode of a group is in an environment call, the group counts as
+    waiting (the rollout service takes more prompts meanwhile) and the driver says so."""
+    prompt, ids = prompt_of(tokenizer, "xb", max_new_tokens=16, n=2)
+    model = bigram_model(tokenizer)
+    engine = TorchEngine(model, TorchEngineConfig(max_batch=8, max_seq_len=64, seed=0))
+    slow = f"{REPO_TESTS / 'envs/faulty_envs.py'}:FlakyLookupEnv"
+    pool = EnvPool(slow, options={"every": 10**9, "slow_s": 0.3}, workers=2)
+    config = EnvironmentConfig(name=slow, max_turns=3)
+    seen: list[int] = []
+
+    async def main():
+        runner = EngineRunner(engine, tokenizer, asyncio.get_running_loop())
+        driver = EpisodeDriver(runner, tokenizer, pool, config)
+        driver.on_wait = lambda: seen.append(driver.waiting_groups())
+        try:
+            group = asyncio.create_task(driver.run_group(prompt, ids))
+            waiting = []
+            while not group.done():
+                waiting.append(driver.waiting_groups())
+                await asyncio.sleep(0.01)
+            await group
+            return waiting, driver.waiting_groups()
+        finally:
+            await runner.close()
+
+    try:
+        waiting, after = asyncio.run(main())
+    finally:
+        pool.close()
+    # both episodes call the tool (0.3 s each call): the group waits, generates its answer
+    # turns (in the engine: not waiting), waits on the answer's step, ends
+    assert seen and set(seen) == {1}
+    first = waiting.index(1)
+    assert waiting.count(1) >= 10 and 0 in waiting[first:] and after == 0

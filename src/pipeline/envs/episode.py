@@ -19,8 +19,9 @@ token before them, so staleness is the policy tokens'.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,7 @@ class EpisodeDriver:
         pool: EnvPool,
         config: EnvironmentConfig,
         span: Callable[..., None] | None = None,
+        on_wait: Callable[[], None] | None = None,
     ):
         self.runner = runner
         # the service's timeline (`Service.span`): each turn's generation and environment call
@@ -99,15 +101,23 @@ class EpisodeDriver:
         self.pool = pool
         self.max_turns = config.max_turns
         self.keep_kv = config.keep_kv
+        # called when a group's last open episode starts waiting on its environment
+        self.on_wait = on_wait
+        # prompt uid -> [episodes not finished, episodes in an environment call]
+        self._groups: dict[str, list[int]] = {}
         self.stop_ids = stop_token_ids(tokenizer, pool.stop)
 
     async def run_group(
         self, prompt: Prompt, prompt_ids: np.ndarray
     ) -> tuple[list[SampleArrays], dict[str, float]]:
         """The prompt's `n_samples` episodes and their per-episode means (group stats)."""
-        done = await asyncio.gather(
-            *(self.run_episode(prompt, prompt_ids, i) for i in range(prompt.n_samples))
-        )
+        self._groups[prompt.uid] = [prompt.n_samples, 0]
+        try:
+            done = await asyncio.gather(
+                *(self.run_episode(prompt, prompt_ids, i) for i in range(prompt.n_samples))
+            )
+        finally:
+            del self._groups[prompt.uid]
         return [sample for sample, _ in done], field_means([s for _, s in done], "rollout/")
 
     async def run_episode(
@@ -139,9 +149,10 @@ class EpisodeDriver:
                 if out.finish_reason != "stop":  # the token budget is spent mid-turn
                     break
                 text = self.tokenizer.decode(out.response_ids.tolist(), skip_special_tokens=True)
-                result: StepResult = await self._timed(
-                    stats, self.pool.step(uid, text), "env_step", uid
-                )
+                with self._waiting(prompt.uid):
+                    result: StepResult = await self._timed(
+                        stats, self.pool.step(uid, text), "env_step", uid
+                    )
                 reward += result.reward
                 stats.tool_calls += int(result.tool_call)
                 stats.tool_errors += int(result.tool_error)
@@ -164,6 +175,7 @@ class EpisodeDriver:
             asyncio.get_running_loop().create_task(self.pool.close_episode(uid, True))
             raise
         self._end_session(uid)
+        self._count(prompt.uid, 0, -1)
         await self._timed(stats, self.pool.close_episode(uid, cancelled), "env_close", uid)
         stats.masked_tokens = int(len(trace.mask) - sum(trace.mask))
         stats.tool_used = int(stats.tool_calls > 0 and stats.tool_errors == 0)
@@ -215,6 +227,27 @@ class EpisodeDriver:
         trace.add(out.response_ids, out.behaviour_logprobs, out.token_versions, policy=True)
         trace.turn_end = len(ids) + len(out.response_ids)
         return out
+
+    def waiting_groups(self) -> int:
+        """Groups whose every open episode is in an environment call: none of theirs is in
+        the engine's batch."""
+        return sum(1 for left, waiting in self._groups.values() if left and waiting == left)
+
+    @contextlib.contextmanager
+    def _waiting(self, group: str) -> Iterator[None]:
+        self._count(group, 1, 0)
+        try:
+            yield
+        finally:
+            self._count(group, -1, 0)
+
+    def _count(self, group: str, waiting: int, left: int) -> None:
+        if (counts := self._groups.get(group)) is None:
+            return  # an episode run on its own (run_episode)
+        counts[0] += left
+        counts[1] += waiting
+        if self.on_wait is not None and counts[0] and counts[1] == counts[0]:
+            self.on_wait()
 
     def _end_session(self, uid: str) -> None:
         if self.keep_kv:

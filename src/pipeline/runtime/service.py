@@ -83,6 +83,8 @@ class Service:
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         self.config = ctx.config
+        # set when a handler stops counting against `concurrency` before it ends (occupied)
+        self.room = asyncio.Event()
         self.log = get_logger(self.role)
         self._ack_waiters: set[asyncio.Future[Any]] = set()
         self.metrics = MetricsWriter(ctx.run_dir / "metrics" / f"{self.role}-{ctx.replica}.jsonl")
@@ -154,6 +156,11 @@ class Service:
         self._ack_waiters.add(waiter)
         waiter.add_done_callback(self._ack_waiters.discard)
 
+    def occupied(self, running: int) -> int:
+        """The handlers in flight that count against `concurrency`: all of them, unless a
+        role knows that some only wait on something other than its own work."""
+        return running
+
     async def run(self) -> None:
         """Default loop: take inputs, handle them concurrently, chain the acks. Told to
         stop, it cancels the handlers in flight (their inputs, unacknowledged, go again)."""
@@ -162,11 +169,14 @@ class Service:
         stopped = asyncio.ensure_future(self.ctx.stop.wait())
         try:
             while not self.ctx.stop.is_set():
-                if len(running) >= self.concurrency:
+                if self.occupied(len(running)) >= self.concurrency:
+                    self.room.clear()
+                    room = asyncio.ensure_future(self.room.wait())
                     done, _ = await asyncio.wait(
-                        [*running, stopped], return_when=asyncio.FIRST_COMPLETED
+                        [*running, stopped, room], return_when=asyncio.FIRST_COMPLETED
                     )
-                    for task in done - {stopped}:
+                    room.cancel()
+                    for task in done - {stopped, room}:
                         running.discard(task)
                         task.result()  # fail the service visibly
                     continue

@@ -52,8 +52,16 @@ class RolloutService(Service):
                 self.env_pool,
                 self.config.environment,
                 span=self.span,
+                on_wait=self.room.set,
             )
             self.log.info("environment_ready", env=env.name, pids=self.env_pool.worker_pids)
+
+    def occupied(self, running: int) -> int:
+        """Groups whose every open episode waits on its environment leave the engine's
+        batch to others: more prompts are taken meanwhile."""
+        if self.episodes is None:
+            return running
+        return running - self.episodes.waiting_groups()
 
     @classmethod
     def follower(cls, ctx: Any) -> Any:

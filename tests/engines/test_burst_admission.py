@@ -42,7 +42,7 @@ def _steps(tmp_path, **window: float) -> tuple[int, list[int]]:
             await runner.close()
 
     groups = asyncio.run(main())
-    return engine.token_steps, [len(s.response_ids) for g in groups for s in g]
+    return engine._clock, [len(s.response_ids) for g in groups for s in g]
 
 
 def test_a_burst_of_prompts_starts_in_one_step(tmp_path):

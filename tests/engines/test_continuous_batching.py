@@ -37,12 +37,12 @@ def test_samples_finish_independently_and_late_requests_join_while_others_run(
     for step in range(2):
         for out in engine.step():
             done[out.request_id] = (step, out)
-        assert (engine.num_running, engine.num_waiting) == (3, 1)  # r3 waits for a slot
+        assert (len(engine._running), len(engine._waiting)) == (3, 1)  # r3 waits for a slot
     assert done == {}
     # submitted while r0..r2 run; r0 finishes at the end of step 2 and frees a slot
     engine.add_request(requests[4])
     engine.add_request(requests[5])
-    assert engine.num_waiting == 3
+    assert len(engine._waiting) == 3
     step = 2
     while engine.has_unfinished():
         for out in engine.step():
@@ -112,9 +112,9 @@ def test_prefill_budget_splits_admission_without_changing_results(make_torch_eng
     engine.add_request(requests[1])
     engine.add_request(requests[2])
     engine.step()  # 2 x 9 padded tokens would exceed 16: only r0 is admitted
-    assert engine.num_running == 1
+    assert len(engine._running) == 1
     engine.step()  # r1 (3) fits; r1 + r2 would be 2 x 12 = 24 > 16
-    assert engine.num_running == 2
+    assert len(engine._running) == 2
     for request in requests[3:]:
         engine.add_request(request)
     done = _drive(engine, 20)

@@ -153,7 +153,7 @@ def test_paused_engine_applies_staged_weights_but_generates_nothing(make_torch_e
     engine.add_request(GenerationRequest("r", prompt, GREEDY))
     engine.update_weights(state.items(), version=1)
     assert engine.step() == []
-    assert engine.version == 1 and engine.num_waiting == 1
+    assert engine.version == 1 and len(engine._waiting) == 1
     with pytest.raises(EngineStateError, match="paused"):
         engine.generate([])
     engine.resume()

@@ -260,19 +260,6 @@ class TorchEngine(ModuleWeightsEngine, Engine):
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._inflight or self._gathered)
 
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def token_steps(self) -> int:
-        """Steps that produced tokens so far (prefills and decodes)."""
-        return self._clock
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
     def add_request(self, request: GenerationRequest) -> None:
         params = request.params
         prompt = list(request.prompt_ids)

@@ -17,6 +17,12 @@ learner's reference, proximal and update phases on its device, the critic, the w
 sync), each device's idle share (1 - the union of the busy spans of the services placed on
 it, over the wall time) and the bounds: the phases in series, and generation beside the rest.
 
+`--workload agentic` (bench/e2e_workload.py): multi-turn GRPO episodes of the toy tool task
+whose tool calls wait (`--tool-delay-s`, the median of a seeded lognormal), on
+profiles/local-cpu-tool.toml unless `--profile` says otherwise, with a tiny model made once for
+all the runs; `--preset one-gpu-agentic` on one GPU. Its figures add, per episode: turns,
+environment seconds, tokens prefilled and tokens recomputed.
+
 `--shape` runs a randomly initialised model of that standard shape (docs/performance.md) with the
 profile's task and the char-level tokenizer instead of the generated tiny model, no warm
 start: the rewards mean nothing then, the work per step (every sample runs to
@@ -149,6 +155,26 @@ def token_shares(run_dir: Path, t0: float, t1: float) -> dict[str, float]:
     }
 
 
+EPISODE_FIGURES = {
+    "turns_per_episode": "rollout/turns",
+    "env_s_per_episode": "rollout/env_seconds",
+    "prefill_tokens_per_episode": "rollout/prefill_tokens",
+    "recomputed_tokens_per_episode": "rollout/recomputed_tokens",
+    "tool_calls_per_episode": "rollout/tool_calls",
+}
+
+
+def episode_figures(steady: list[dict[str, Any]]) -> dict[str, float]:
+    """Multi-turn episodes' per-episode means over the measured steps (each step's metric is
+    the mean over its groups of the per-episode means), for the metrics the run has."""
+    out = {}
+    for name, key in EPISODE_FIGURES.items():
+        values = [s[key] for s in steady if key in s]
+        if values:
+            out[name] = sum(values) / len(values)
+    return out
+
+
 def measure(run_dir: Path, skip: int) -> dict[str, float]:
     from pipeline.config.profile import config_from_json
 
@@ -213,6 +239,7 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
             default=float("nan"),
         ),
         "decode_batch_mean": decode_batch,
+        **episode_figures(steady),
         "decode_batch_occupancy": decode_batch / config.rollout.max_batch,
         **token_shares(run_dir, t0, t1),
         # the policy's gradient norm, to set beside a baseline's: a run at an SM share
@@ -381,7 +408,24 @@ PRESETS = {
         "workload": "long-tail",
         "cap": 2048,
     },
+    # the toy tool task's multi-turn episodes, tool calls of a median 0.5 s wait
+    # (e2e_workload.agentic_overrides)
+    "one-gpu-agentic": {
+        "profile": "profiles/h200-single.toml",
+        "shape": "0.5b",
+        "device": "cuda",
+        "steps": 20,
+        "skip": 8,
+        "staleness": "0,1",
+        "workload": "agentic",
+    },
 }
+
+
+def workload_label(args: argparse.Namespace) -> str:
+    if args.workload == "agentic":
+        return f"agentic (tool delay median {args.tool_delay_s}s)"
+    return f"{args.workload} (cap {args.cap})" if args.workload != "fixed" else "fixed"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -396,19 +440,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (labelled by GPU name)")
     ap.add_argument("--shape", default=None, help="random model of this shape (e.g. 0.5b)")
     ap.add_argument("--runs-dir", type=Path, default=None, help="keep the runs here")
-    ap.add_argument("--workload", default="fixed", help="with a preset: fixed or long-tail")
+    ap.add_argument(
+        "--workload", default="fixed", help="fixed or long-tail (with a preset), or agentic"
+    )
+    ap.add_argument("--tool-delay-s", type=float, default=0.5, help="agentic: median tool wait")
+    ap.add_argument("--warm-start-steps", type=int, default=120, help="agentic: its tiny model's")
     ap.add_argument("--cap", type=int, default=2048, help="long-tail: the largest budget")
     ap.add_argument("--prompt-tokens", type=int, default=62, help="with a preset")
     known, _ = ap.parse_known_args(argv)
     if known.preset is not None:  # the preset's values, unless given on the command line
         ap.set_defaults(**PRESETS[known.preset])
+    elif known.workload == "agentic":
+        ap.set_defaults(profile="profiles/local-cpu-tool.toml")
     args, extra = ap.parse_known_args(argv)
     levels = [int(x) for x in args.staleness.split(",")]
     # the baseline first (sync when asked for, else the first level): partial results stand
     levels = [0, *(x for x in levels if x != 0)] if 0 in levels else levels
     config = {
         "preset": f"{args.preset} {args.variant}" if args.preset else "none",
-        "workload": f"{args.workload} (cap {args.cap})" if args.workload != "fixed" else "fixed",
+        "workload": workload_label(args),
         "profile": args.profile,
         "shape": args.shape or "profile's model",
         "steps": args.steps,
@@ -418,7 +468,16 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         if args.shape:
             extra = [*extra, *shape_model(args.shape, Path(tmp) / "model", args.device)]
-        if args.preset:
+        if args.workload == "agentic":
+            from bench.e2e_workload import agentic_model, agentic_overrides
+
+            if not args.shape:  # made once: every run starts from the same policy
+                made = agentic_model(Path(tmp) / "model", steps=args.warm_start_steps)
+                extra = [*made, *extra]
+            gpu = args.preset is not None
+            overrides = agentic_overrides(args.variant, delay_s=args.tool_delay_s, gpu=gpu)
+            extra = [*overrides, *extra]
+        elif args.preset:
             from bench.e2e_workload import workload_overrides
 
             if not args.shape:
@@ -444,12 +503,16 @@ def main(argv: list[str] | None = None) -> None:
             figs = figures(results, config, args)
             if args.json is not None:  # after every run: a bench killed at its limit keeps these
                 emit_file(figs, args.json)
-    print(f"{'staleness':>9} {'samples/s':>10} {'gen idle':>9} {'train idle':>10}")
+    print(f"{'staleness':>9} {'samples/s':>10} {'gen idle':>9} {'train idle':>10}", end="")
+    print(f" {'turns':>6} {'env s':>6}" if args.workload == "agentic" else "")
     for level, r in results.items():
         print(
             f"{level:>9} {r['samples_per_s']:>10.1f} {r['gen_idle_share']:>9.2f} "
-            f"{r['train_idle_share']:>10.2f}"
+            f"{r['train_idle_share']:>10.2f}",
+            end="",
         )
+        turns, env_s = r.get("turns_per_episode", 0.0), r.get("env_s_per_episode", 0.0)
+        print(f" {turns:>6.2f} {env_s:>6.2f}" if args.workload == "agentic" else "")
     emit(figs)  # the file already holds these (written after the last run)
     if bad := {level: r["skipped_updates"] for level, r in results.items() if r["skipped_updates"]}:
         raise SystemExit(
@@ -470,6 +533,7 @@ def figures(
     # figures of another profile than the default carry its name (h200-x2 next to h200-single)
     stem = Path(args.profile).stem
     suffix = "" if stem == "local-cpu" else f"_{stem}"
+    suffix += "_agentic" if args.workload == "agentic" else ""
     return [
         figure(
             "e2e",

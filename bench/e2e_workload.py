@@ -4,7 +4,15 @@ GRPO (critic off) or KL-PPO with the critic. Every row says `ignore_eos`, so eac
 runs to its prompt's budget: 256 new tokens for every prompt (`fixed`), or a budget per
 prompt from a lognormal capped at `cap` (`long-tail`: median cap / 4, sigma 0.8; a
 prompt's samples share it), the long tail of response lengths that reasoning tasks have.
-`workload_overrides` writes its prompts file and returns the run's overrides."""
+`workload_overrides` writes its prompts file and returns the run's overrides.
+
+`agentic`: the toy tool task (pipeline.tasks.toy_lookup) as multi-turn GRPO episodes whose
+tool calls wait, as a remote tool's would, a time drawn per call from a lognormal (median
+`delay_s`, sigma 0.8, seeded per episode: the same waits in every run). On the CPU it runs
+the profile's sizes, a step's prompts in the engine at once, with the tiny model
+warm-started to call the tool on most first turns (`agentic_model`), so episodes are a call, the tool's answer and the final answer; on a GPU
+(`gpu=True`) the one-GPU sizes, up to 256 tokens and 4 turns an episode, with the random
+model of the preset's shape, whose turns end at the call `?` or end-of-sequence."""
 
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from pathlib import Path
 PROMPT_TOKENS = 62
 ROWS = 4096
 
-WORKLOADS = ("fixed", "long-tail")
+WORKLOADS = ("fixed", "long-tail", "agentic")
 FIXED_TOKENS = 256
 WORKLOAD = [
     "--controller.prompts_per_step", "32",
@@ -108,3 +116,45 @@ def workload_overrides(
         "--task.max_prompt_tokens", str(prompt_tokens),
         *VARIANTS[variant],
     ]  # fmt: skip
+
+
+# the share of the warm start's first answers that are the tool call: most episodes call
+ASK_SHARE = 0.85
+TOOL_DELAY_SIGMA = 0.8
+# the CPU engine's prompts at once: a step's (local-cpu-tool), not the CPU default of 8. Its
+# episodes mostly wait on the tool, and with 8 the next step's prompts wait for the tail of
+# this step's
+CPU_PROMPTS_IN_FLIGHT = 16
+
+
+def agentic_model(directory: Path, *, steps: int = 120, seed: int = 0) -> list[str]:
+    """The tiny model warm-started on copy_ask with a high share of calls, made once for
+    every run of the bench; the overrides that use it."""
+    from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
+    from pipeline.tasks.tiny_model import make_tiny_model
+    from pipeline.tasks.warm_start import warm_start
+
+    save_char_tokenizer(directory)
+    make_tiny_model(directory, vocab_size=len(load_tokenizer(directory)), seed=seed)
+    warm_start(directory, steps=steps, seed=seed, task="copy_ask", ask_share=ASK_SHARE)
+    return ["--model.path", str(directory), "--task.warm_start_steps", "0"]
+
+
+def agentic_overrides(variant: str, *, delay_s: float = 0.5, gpu: bool = False) -> list[str]:
+    """The agentic workload's overrides for `variant` (its tool delay's median `delay_s`)."""
+    if variant not in VARIANTS:
+        raise SystemExit(f"--variant: one of {', '.join(VARIANTS)} (got {variant!r})")
+    task = [
+        "--task.dataset", "toy_lookup",
+        "--environment.name", "toy_lookup",
+        "--environment.options.tool_delay_s", str(delay_s),
+        "--environment.options.tool_delay_sigma", str(TOOL_DELAY_SIGMA),
+        "--reward.function", "environment",
+    ]  # fmt: skip
+    sizes = [
+        *WORKLOAD,
+        "--rollout.max_new_tokens", str(FIXED_TOKENS),
+        "--environment.max_turns", "4",
+    ]  # fmt: skip
+    cpu = ["--rollout.prompts_in_flight", str(CPU_PROMPTS_IN_FLIGHT)]
+    return [*task, *(sizes if gpu else cpu), *VARIANTS[variant]]

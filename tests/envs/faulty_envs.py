@@ -85,13 +85,23 @@ class FaultyEnv(Environment):
 
 
 class AsyncEnv(Environment):
-    """Coroutine methods: the worker awaits them."""
+    """Coroutine methods: the worker awaits them, other episodes' calls beside them. The
+    action "wait X" awaits X seconds, "hang" awaits for good, "block" holds the worker's
+    loop for good (a plain sleep in a coroutine)."""
 
     async def reset(self, episode: Episode) -> str:  # type: ignore[override]
         await asyncio.sleep(0.01)
         return "async hello"
 
     async def step(self, action: str) -> StepResult:  # type: ignore[override]
+        if action.startswith("wait "):
+            await asyncio.sleep(float(action.split()[1]))
+        if action == "hang":
+            await asyncio.sleep(3600)
+        if action == "block":
+            time.sleep(3600)
+        if action == "pid":
+            return StepResult(observation=str(os.getpid()))
         await asyncio.sleep(0.01)
         return StepResult(observation=action.upper(), done=True, reward=0.5)
 

@@ -102,6 +102,68 @@ async def test_coroutine_methods_are_awaited(make_pool) -> None:
     assert (result.observation, result.done, result.reward) == ("SHOUT", True, 0.5)
 
 
+async def test_awaited_tool_delays_of_two_episodes_overlap(make_pool) -> None:
+    """One worker: the toy lookup tool's delays (awaited) do not serialize the episodes."""
+    delay = 0.6
+    options = {"tool_delay_s": delay, "tool_delay_sigma": 0.0}
+    pool = make_pool("toy_lookup", options=options, workers=1)
+    assert pool.concurrent
+    for uid in ("a", "b"):
+        await pool.open(episode(uid))
+    start = time.monotonic()
+    results = await asyncio.gather(pool.step("a", "?"), pool.step("b", "?"))
+    wall = time.monotonic() - start
+    assert [r.observation for r in results] == [" 123 =", " 123 ="]
+    assert delay <= wall < 1.6 * delay, wall  # one delay, not two
+
+
+async def test_a_plain_environment_takes_one_call_at_a_time(make_pool) -> None:
+    pool, _ = await pool_of_a_and_b(make_pool)
+    assert not pool.concurrent
+
+
+async def test_a_hung_coroutine_fails_alone_while_the_worker_serves_others(make_pool) -> None:
+    pool = make_pool("tests.envs.faulty_envs:AsyncEnv", workers=1, step_timeout_s=1.0)
+    for uid in ("a", "b"):
+        await pool.open(episode(uid))
+    old = pool.worker_pids[0]
+
+    async def served_meanwhile() -> float:
+        await asyncio.sleep(0.05)
+        assert (await pool.step("b", "wait 0.2")).observation == "WAIT 0.2"
+        return time.monotonic()
+
+    start = time.monotonic()
+    hung, other = await asyncio.gather(
+        pool.step("a", "hang"), served_meanwhile(), return_exceptions=True
+    )
+    assert isinstance(hung, EnvFailure) and hung.kind == "timeout", hung
+    assert isinstance(other, float) and other - start < 1.0
+    assert pool.worker_pids[0] != old and not alive(old)
+    c = pool.counters
+    assert (c.timeouts, c.lost, c.restarts) == (1, 0, 1)
+
+
+async def test_a_blocked_worker_is_killed_and_its_calls_in_flight_are_lost(make_pool) -> None:
+    pool = make_pool("tests.envs.faulty_envs:AsyncEnv", workers=1, step_timeout_s=1.0)
+    for uid in ("a", "b"):
+        await pool.open(episode(uid))
+    old = pool.worker_pids[0]
+
+    async def behind() -> object:
+        await asyncio.sleep(0.1)  # sent while the worker's loop is blocked
+        return await pool.step("b", "look")
+
+    blocked, lost = await asyncio.gather(pool.step("a", "block"), behind(), return_exceptions=True)
+    assert isinstance(blocked, EnvFailure) and blocked.kind == "timeout", blocked
+    assert isinstance(lost, EnvFailure) and lost.kind == "lost", lost
+    assert pool.worker_pids[0] != old and not alive(old)
+    await pool.open(episode("c"))
+    assert int((await pool.step("c", "pid")).observation) == pool.worker_pids[0]
+    c = pool.counters
+    assert (c.timeouts, c.lost, c.restarts) == (1, 1, 1)
+
+
 async def test_a_step_that_raises_fails_its_episode_only(make_pool) -> None:
     pool, pid = await pool_of_a_and_b(make_pool)
     with pytest.raises(EnvFailure) as failed:

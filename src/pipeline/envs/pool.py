@@ -1,16 +1,21 @@
 """The rollout service's environment workers: episodes' calls with a deadline each.
 
-Each episode lives in one worker (its instance keeps state there); a worker answers one
-call at a time. A call that raises, returns garbage or outlives `step_timeout_s` fails that
-episode only: a hung worker is killed by pid and started again, and the other episodes it
-hosted fail as lost on their next call. Every failure is counted.
+Each episode lives in one worker (its instance keeps state there). A worker takes one call
+at a time, or the calls of all its episodes together when the environment's `step` is a
+coroutine (one that waits on a tool must not hold up the other episodes); a reader thread
+per worker hands each reply to its call by `seq`. A call that raises, returns garbage or
+outlives `step_timeout_s` fails that episode only: a hung worker is killed by pid and
+started again, its calls in flight fail as lost, and the other episodes it hosted fail as
+lost on their next call. Every failure is counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,7 +23,7 @@ from typing import Any, Literal
 from pipeline.envs.types import EnvironmentNotFound, Episode, StepResult, field_means
 from pipeline.errors import PipelineError
 from pipeline.log import get_logger
-from pipeline.runtime.child_worker import ChildLost, ChildTimeout, ChildWorker, close_workers
+from pipeline.runtime.child_worker import ChildLost, ChildWorker, close_workers
 from pipeline.wire.env import DECODER, ENCODER, EnvClose, EnvHello, EnvOpen, EnvReply, EnvStep
 
 FailureKind = Literal["error", "timeout", "lost"]
@@ -74,7 +79,14 @@ class EnvPool:
             self.close()
             raise EnvironmentNotFound(hello.load_error)
         self.stop = tuple(hello.stop)
-        self._locks = [asyncio.Lock() for _ in self._workers]
+        self.concurrent = hello.concurrent
+        # a call holds its worker's slot until answered; a plain environment's calls queue
+        # here, not in the worker, so each one's deadline starts when the worker takes it
+        width = 1 << 30 if self.concurrent else 1
+        self._slots = [asyncio.Semaphore(width) for _ in self._workers]
+        self._locks = [asyncio.Lock() for _ in self._workers]  # a send, or a restart
+        self._pending: list[dict[int, asyncio.Future[Any]]] = [{} for _ in self._workers]
+        self._readers: list[threading.Thread | None] = [None] * len(self._workers)
         self._generation = [0] * len(self._workers)
         self._home: dict[str, tuple[int, int]] = {}  # episode uid -> (worker, generation)
         self._seq = itertools.count()
@@ -119,6 +131,18 @@ class EnvPool:
         if home is None:
             raise EnvFailure("lost", f"episode {uid} has no environment (never opened)")
         index, generation = home
+        async with self._slots[index]:
+            reply = await self._ask(uid, index, generation, request)
+        if reply.error is not None:
+            self.counters.errors += 1
+            raise EnvFailure("error", reply.error)
+        return reply
+
+    async def _ask(
+        self, uid: str, index: int, generation: int, request: EnvOpen | EnvStep | EnvClose
+    ) -> EnvReply:
+        """Send `request` to worker `index` and wait for its reply, at most step_timeout_s."""
+        loop = asyncio.get_running_loop()
         async with self._locks[index]:
             if isinstance(request, EnvOpen):
                 # an open queued behind a call that restarted the worker: the episode was
@@ -131,31 +155,99 @@ class EnvPool:
                 if not isinstance(request, EnvClose):
                     self.counters.lost += 1
                 raise EnvFailure("lost", "its environment worker was restarted")
-            worker = self._workers[index]
+            answer: asyncio.Future[Any] = loop.create_future()
+            self._pending[index][request.seq] = answer
             try:
-                reply = await asyncio.to_thread(
-                    worker.ask, ENCODER.encode(request), self.step_timeout_s
-                )
-            except ChildTimeout:
-                self.counters.timeouts += 1
-                await self._restart(index, "timeout")
-                raise EnvFailure("timeout", f"no answer within {self.step_timeout_s}s") from None
+                await self._connect(index, loop)
+                await asyncio.to_thread(self._workers[index].send, ENCODER.encode(request))
             except ChildLost as exc:
+                self._pending[index].pop(request.seq, None)
                 self.counters.lost += 1
                 await self._restart(index, str(exc))
                 raise EnvFailure("lost", str(exc)) from exc
-        if not isinstance(reply, EnvReply) or reply.seq != request.seq:
-            self.counters.errors += 1
-            raise EnvFailure("error", "the worker answered out of turn")
-        if reply.error is not None:
-            self.counters.errors += 1
-            raise EnvFailure("error", reply.error)
-        return reply
+        try:
+            return await asyncio.wait_for(answer, self.step_timeout_s)
+        except TimeoutError:
+            self.counters.timeouts += 1
+            await self._restart_if(index, generation, "timeout")
+            raise EnvFailure("timeout", f"no answer within {self.step_timeout_s}s") from None
+        except ChildLost as exc:
+            self.counters.lost += 1
+            await self._restart_if(index, generation, str(exc))
+            raise EnvFailure("lost", str(exc)) from exc
+        finally:
+            self._pending[index].pop(request.seq, None)
+
+    async def _connect(self, index: int, loop: asyncio.AbstractEventLoop) -> None:
+        """Under the worker's lock: the worker started and past its hello, and a thread that
+        reads its replies (ChildLost if it cannot start)."""
+        if self._readers[index] is not None:
+            return
+        worker = self._workers[index]
+        await asyncio.to_thread(worker.ready)
+        reader = threading.Thread(
+            target=self._read,
+            args=(loop, index, self._generation[index], worker.receiver()),
+            name=f"env-replies-{index}",
+            daemon=True,
+        )
+        reader.start()
+        self._readers[index] = reader
+
+    def _read(
+        self, loop: asyncio.AbstractEventLoop, index: int, generation: int, receive: Any
+    ) -> None:
+        """In a thread: the worker's replies to their calls, until its stream ends."""
+
+        def post(*args: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(self._deliver, index, generation, *args)
+
+        while True:
+            try:
+                reply = receive(None)
+            except ChildLost as exc:
+                post(None, exc)
+                return
+            if not isinstance(reply, EnvReply):
+                post(None, ChildLost(f"the worker sent {type(reply).__name__}, not a reply"))
+                return
+            post(reply, None)
+
+    def _deliver(
+        self, index: int, generation: int, reply: EnvReply | None, failure: ChildLost | None
+    ) -> None:
+        """On the loop: a reply to its call, or a broken stream to every call in flight."""
+        if self._generation[index] != generation:  # from a worker killed since
+            return
+        pending = self._pending[index]
+        if reply is not None:
+            answer = pending.get(reply.seq)
+            if answer is not None and not answer.done():
+                answer.set_result(reply)
+            return
+        self._readers[index] = None
+        for answer in pending.values():
+            if not answer.done():
+                answer.set_exception(failure or ChildLost("the worker's stream ended"))
+
+    async def _restart_if(self, index: int, generation: int, why: str) -> None:
+        """Restart worker `index` unless a call beside this one already did."""
+        async with self._locks[index]:
+            if self._generation[index] == generation:
+                await self._restart(index, why)
 
     async def _restart(self, index: int, why: str) -> None:
+        """Under the worker's lock: kill it by pid and start it again; its calls in flight
+        fail as lost."""
         worker = self._workers[index]
         old = worker.pid
         self._generation[index] += 1
+        self._readers[index] = None
+        pending, self._pending[index] = self._pending[index], {}
+        for answer in pending.values():
+            if not answer.done():
+                answer.set_exception(ChildLost("its environment worker was restarted"))
         await asyncio.to_thread(worker.kill)
         try:
             await asyncio.to_thread(worker.start)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -128,25 +128,48 @@ class ChildWorker:
             self._hello = message
         return self._hello
 
-    def ask(self, payload: bytes, timeout_s: float) -> Any:
-        """Send one encoded request and return the decoded reply (ChildTimeout, ChildLost)."""
-        if self._proc is None:  # an earlier restart failed; try again now
+    def ready(self) -> None:
+        """Started (again, after a failed restart) and past its hello (ChildLost if not)."""
+        if self._proc is None:
             try:
                 self.start()
             except OSError as exc:
                 raise ChildLost(f"cannot start a worker: {exc}") from exc
         self.hello()
+
+    def ask(self, payload: bytes, timeout_s: float) -> Any:
+        """Send one encoded request and return the decoded reply (ChildTimeout, ChildLost)."""
+        self.ready()
+        self.send(payload)
+        return self.receiver()(time.monotonic() + timeout_s)
+
+    def send(self, payload: bytes) -> None:
+        """Send one encoded request (ChildLost when the stream is broken)."""
         assert self._sock is not None
         try:
             send_frame(self._sock, payload)
-            answer = recv_frame(self._sock, time.monotonic() + timeout_s)
-        except TimeoutError as exc:
-            raise ChildTimeout from exc
         except (OSError, FrameError) as exc:
             raise ChildLost(f"worker connection broke: {exc}") from exc
-        if answer is None:
-            raise ChildLost("worker process died (crash or exit in user code)")
-        return self._decode(answer)
+
+    def receiver(self) -> Callable[[float | None], Any]:
+        """A function that reads the next decoded frame, by a monotonic deadline or None
+        (ChildTimeout, ChildLost). It is bound to this process's socket: a reader left over
+        from before a restart never reads the new process's frames."""
+        sock = self._sock
+        assert sock is not None
+
+        def receive(deadline: float | None) -> Any:
+            try:
+                answer = recv_frame(sock, deadline)
+            except TimeoutError as exc:
+                raise ChildTimeout from exc
+            except (OSError, FrameError) as exc:
+                raise ChildLost(f"worker connection broke: {exc}") from exc
+            if answer is None:
+                raise ChildLost("worker process died (crash or exit in user code)")
+            return self._decode(answer)
+
+        return receive
 
     def _decode(self, payload: bytes) -> Any:
         try:

@@ -31,7 +31,9 @@ def _word(rng: random.Random) -> str:
             return word
 
 
-def warm_prompt(task: str, digits: str, rng: random.Random | None = None) -> tuple[str, str]:
+def warm_prompt(
+    task: str, digits: str, rng: random.Random | None = None, ask_share: float = ASK_SHARE
+) -> tuple[str, str]:
     """(prompt, completion) for one warm-start instance.
 
     copy_ask (the toy tool task's): "<word> 482 =" -> "482", or, for a share of rows and
@@ -46,7 +48,7 @@ def warm_prompt(task: str, digits: str, rng: random.Random | None = None) -> tup
     word = _word(rng)
     if rng.random() < 0.5:
         return f"{word} {rng.randint(0, 999)} =? {digits} =", digits
-    if rng.random() < ASK_SHARE:
+    if rng.random() < ask_share:
         return f"{word} {digits} =", "?"
     return f"{word} {digits} =", digits
 
@@ -62,8 +64,10 @@ def warm_start(
     min_digits: int = MIN_DIGITS,
     max_digits: int = MAX_DIGITS,
     alphabet: str = ALPHABET,
+    ask_share: float = ASK_SHARE,
 ) -> Path:
-    """Train the model saved in `model_dir` for `steps` AdamW steps on `task`; save it back."""
+    """Train the model saved in `model_dir` for `steps` AdamW steps on `task`; save it back.
+    `ask_share`: copy_ask's share of first answers that are the call `?`."""
     from pipeline.data.tokenizer import load_tokenizer
     from pipeline.models import load_model, save_model
 
@@ -82,7 +86,7 @@ def warm_start(
         for _ in range(batch_size):
             length = rng.randint(min_digits, max_digits)
             digits = "".join(rng.choice(alphabet) for _ in range(length))
-            prompt, completion = warm_prompt(task, digits, rng)
+            prompt, completion = warm_prompt(task, digits, rng, ask_share)
             prompt_ids = tokenizer.encode(prompt)
             answer_ids = [*tokenizer.encode(completion, add_special_tokens=False), eos]
             rows.append((prompt_ids, answer_ids))

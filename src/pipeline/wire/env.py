@@ -18,11 +18,13 @@ class Episode(msgspec.Struct, frozen=True):
 
 
 class EnvHello(msgspec.Struct, tag="hello"):
-    """Sent once by a started worker: the class's stop strings, or why it did not load."""
+    """Sent once by a started worker: the class's stop strings, or why it did not load.
+    `concurrent`: its step is a coroutine, so the worker takes episodes' calls together."""
 
     pid: int
     stop: list[str] = []
     load_error: str = ""
+    concurrent: bool = False
 
 
 class EnvOpen(msgspec.Struct, tag="open"):

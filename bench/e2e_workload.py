@@ -9,7 +9,7 @@ prompt's samples share it), the long tail of response lengths that reasoning tas
 `agentic`: the toy tool task (pipeline.tasks.toy_lookup) as multi-turn GRPO episodes whose
 tool calls wait, as a remote tool's would, a time drawn per call from a lognormal (median
 `delay_s`, sigma 0.8, seeded per episode: the same waits in every run). On the CPU it runs
-the profile's sizes, a step's prompts in the engine at once, with the tiny model
+the profile's sizes with the tiny model
 warm-started to call the tool on most first turns (`agentic_model`), so episodes are a call, the tool's answer and the final answer; on a GPU
 (`gpu=True`) the one-GPU sizes, up to 256 tokens and 4 turns an episode, with the random
 model of the preset's shape, whose turns end at the call `?` or end-of-sequence."""
@@ -122,9 +122,6 @@ def workload_overrides(
 ASK_SHARE = 0.85
 TOOL_DELAY_SIGMA = 0.8
 # the CPU engine's prompts at once: a step's (local-cpu-tool), not the CPU default of 8. Its
-# episodes mostly wait on the tool, and with 8 the next step's prompts wait for the tail of
-# this step's
-CPU_PROMPTS_IN_FLIGHT = 16
 
 
 def agentic_model(directory: Path, *, steps: int = 120, seed: int = 0) -> list[str]:
@@ -156,5 +153,4 @@ def agentic_overrides(variant: str, *, delay_s: float = 0.5, gpu: bool = False) 
         "--rollout.max_new_tokens", str(FIXED_TOKENS),
         "--environment.max_turns", "4",
     ]  # fmt: skip
-    cpu = ["--rollout.prompts_in_flight", str(CPU_PROMPTS_IN_FLIGHT)]
-    return [*task, *(sizes if gpu else cpu), *VARIANTS[variant]]
+    return [*task, *(sizes if gpu else []), *VARIANTS[variant]]

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_e2e_agentic_workload_cpu(tmp_path: Path) -> None:
     out_file = tmp_path / "e2e.json"
     runs = tmp_path / "runs"

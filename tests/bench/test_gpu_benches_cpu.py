@@ -85,6 +85,7 @@ def test_rollout_decode_tiny_cpu(tmp_path: Path) -> None:
         assert fig["value"] == pytest.approx(config["tokens_per_s"]["ours"], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_learner_step_tiny_cpu(tmp_path: Path) -> None:
     figs, _ = run_bench(
         "learner_step",
@@ -272,6 +273,7 @@ def test_cold_start_cpu(tmp_path: Path) -> None:
     assert figs[1]["baseline_value"] == figs[0]["value"]
 
 
+@pytest.mark.slow
 def test_warm_up_cpu(tmp_path: Path) -> None:
     """bench.warm_up on CPU (aot_eager): a cold and a warm child each build and warm
     up the learner; the figures carry what the compile did, the warm one against the cold;
@@ -357,6 +359,7 @@ def test_a_variant_may_set_an_inline_table() -> None:
         parse_variant("trunk_graphs")
 
 
+@pytest.mark.slow
 def test_e2e_long_tail_preset_cpu(tmp_path: Path) -> None:
     """The long-tail workload at a tiny size: every prompt's samples run to its own budget
     (a capped lognormal), and each run reports its generated tokens/s, the decode batch,

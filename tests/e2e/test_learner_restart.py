@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS, PER_STEP, N_SAMPLES = 8, 4, 2
 HOLDS = [("checkpointed", 2), ("reported", 4)]
@@ -150,6 +152,7 @@ def test_a_learner_killed_after_its_checkpoint_trains_no_sample_twice(tmp_path, 
     assert first_hold["trained"] == PER_STEP * N_SAMPLES and "actor/loss" in first_hold
 
 
+@pytest.mark.slow
 def test_a_learner_resumed_behind_its_reports_goes_on_numbering_from_the_controller(
     tmp_path, procs
 ):

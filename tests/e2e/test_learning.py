@@ -69,6 +69,7 @@ def test_staleness_never_exceeds_the_bound_and_metrics_are_logged(learning_run):
     assert all(s.get("sync_seconds", 0) > 0 for s in steps)
 
 
+@pytest.mark.slow
 def test_replay_of_the_async_run_reproduces_the_learner_bit_for_bit(learning_run, tmp_path):
     """Only the learner runs: the recorded queue and the controller's schedule drive it."""
     keys = ("actor/loss", "actor/pg_loss", "kl/k3", "actor/grad_norm")

@@ -294,23 +294,6 @@ class TrainerConfig(PolicyTrainerSection):
     # bench/hf_path.py measures the two)
     implementation: Literal["auto", "native", "transformers"] = "auto"
 
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any]) -> TrainerConfig:
-        """Build from a profile table; unknown keys are errors so typos fail at startup."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown key(s) {', '.join(f'{_SECTION}.{k}' for k in unknown)}; "
-                f"use one of: {', '.join(sorted(known))}"
-            )
-        values = dict(raw)
-        if "betas" in values:
-            values["betas"] = tuple(values["betas"])
-        config = cls(**values)
-        config.validate()
-        return config
-
     def validate(self) -> None:
         """Raise ConfigError naming the first bad key or switch."""
         super().validate()

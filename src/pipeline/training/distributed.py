@@ -42,7 +42,10 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
         return torch.device(spec)
     count = torch.cuda.device_count()
     if count == 0:
-        raise ConfigError("this process sees no CUDA device but runs on a cuda pool")
+        raise ConfigError(
+            "device cuda but this process sees no CUDA device: give its pool GPUs or make "
+            "it a cpu pool"
+        )
     return torch.device("cuda", local_rank % count)
 
 

@@ -36,10 +36,6 @@ class HandshakeTimeout(PipelineError):
     """A peer did not complete hello -> config -> ready in time."""
 
 
-class ServiceDeadError(PipelineError):
-    """A peer stopped sending heartbeats or its process exited."""
-
-
 class TransportClosed(PipelineError):
     """The channel was closed while an operation was waiting on it."""
 

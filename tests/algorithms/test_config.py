@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from pipeline.algorithms import AlgorithmConfig
+from pipeline.config import load_config
 from pipeline.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_valid():
@@ -53,10 +57,14 @@ def test_optional_knobs_accept_null_and_infinite_bars():
     AlgorithmConfig(vtrace_rho_bar=math.inf, vtrace_c_bar=math.inf).validate()
 
 
-def test_from_mapping_rejects_unknown_keys_and_validates():
-    cfg = AlgorithmConfig.from_mapping({"lam": 0.9, "advantage_estimator": "grpo"})
+def test_a_profile_algorithm_table_rejects_unknown_keys_and_validates():
+    def load(**keys: str) -> AlgorithmConfig:
+        overrides = {f"algorithm.{k}": v for k, v in keys.items()}
+        return load_config(REPO / "profiles/local-cpu.toml", overrides).algorithm
+
+    cfg = load(lam="0.9", advantage_estimator="grpo")
     assert cfg.lam == 0.9 and cfg.advantage_estimator == "grpo"
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) algorithm\.lamda"):
-        AlgorithmConfig.from_mapping({"lamda": 0.9})
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm\.lamda'"):
+        load(lamda="0.9")
     with pytest.raises(ConfigError, match=r"algorithm\.lam"):
-        AlgorithmConfig.from_mapping({"lam": 2})
+        load(lam="2")

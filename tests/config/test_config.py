@@ -100,6 +100,19 @@ def test_learner_takes_the_samplers_temperature():
     assert policy_config(greedy).temperature == 1.0
 
 
+def test_a_trainer_computes_on_the_kind_of_its_services_pool():
+    from pipeline.training.config import critic_config, policy_config, role_device
+
+    assert policy_config(load_config(REPO / "profiles/local-cpu.toml")).device == "cpu"
+    learner_on_gpu = {"pools.gpu.kind": "cuda", "services.learner.pool": "gpu"}
+    config = load_config(REPO / "profiles/local-cpu-ppo.toml", learner_on_gpu)
+    assert role_device(config, "learner") == "cuda"
+    # the critic's own pool decides, not the learner's
+    assert critic_config(config).device == "cpu"
+    with pytest.raises(ConfigError, match=r"unknown config key 'learner\.trainer\.device'"):
+        load_config(REPO / "profiles/local-cpu.toml", {"learner.trainer.device": "cpu"})
+
+
 def test_devices_follow_the_pools_and_decide_the_weight_transport():
     from pipeline.weights.link import publish_config
 

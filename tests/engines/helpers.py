@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from pipeline.engines import GenerationOutput
-from pipeline.models import CausalLM, ModelConfig
+from pipeline.models import CausalLM, KVCache, ModelConfig
 
 TINY = ModelConfig(
     model_type="llama",
@@ -44,6 +44,18 @@ def make_model(config: ModelConfig = TINY, seed: int = 0, lm_head_scale: float =
     model = CausalLM(config).eval()
     randomize_(model, seed, lm_head_scale)
     return model
+
+
+def kv_cache_for(config: ModelConfig, num_slots: int, max_seq_len: int) -> KVCache:
+    """A CPU cache of the model's layers, key/value heads and dtype."""
+    return KVCache(
+        config.num_hidden_layers,
+        num_slots,
+        max_seq_len,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.dtype,
+    )
 
 
 def perturbed_state(model: CausalLM, seed: int, scale: float = 0.3) -> dict[str, torch.Tensor]:

@@ -16,12 +16,13 @@ from pipeline.engines import (
     TorchEngineConfig,
     WeightUpdateError,
 )
-from pipeline.models import CausalLM, KVCache, load_model
+from pipeline.models import CausalLM, load_model
 
 from .helpers import (
     TINY,
     full_forward_logprobs,
     greedy_reference,
+    kv_cache_for,
     make_model,
     perturbed_state,
     prompts,
@@ -83,7 +84,7 @@ def test_update_between_decode_steps_recomputes_kv_and_tags_tokens_with_both_ver
 
 def _stale_kv_continuation(old: CausalLM, new: CausalLM, prompt: list[int], out: list[int]):
     """Greedy tokens when the new weights decode on top of keys/values the old ones cached."""
-    cache = KVCache.for_model(TINY, num_slots=1, max_seq_len=64)
+    cache = kv_cache_for(TINY, num_slots=1, max_seq_len=64)
     slot = torch.tensor([0])
     n = len(prompt)
     old.forward_cached(torch.tensor([prompt]), torch.arange(n)[None], slot, cache)

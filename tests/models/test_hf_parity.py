@@ -56,7 +56,7 @@ def test_hidden_states_times_lm_head_equal_forward_logits(family_config: ModelCo
         hidden = model.hidden_states(ids)
         logits = model(ids)
     assert hidden.shape == (2, 7, family_config.hidden_size)
-    torch.testing.assert_close(model.compute_logits(hidden), logits)
+    torch.testing.assert_close(model.lm_head(hidden), logits)
 
 
 def test_lm_head_is_embed_tokens_exactly_when_tied(family_config: ModelConfig, make_native):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pipeline.models import CacheCapacityError, KVCache, ModelConfig
+from tests.engines.helpers import kv_cache_for
 
 ATOL = 1e-5
 RTOL = 1e-5
@@ -23,7 +24,7 @@ def test_prefill_then_decode_matches_full_forward_per_slot(family_config: ModelC
     lengths = [5, 2, 7]
     slots = torch.tensor([3, 0, 2])  # not contiguous, not in order
     prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
-    cache = KVCache.for_model(family_config, num_slots=4, max_seq_len=24)
+    cache = kv_cache_for(family_config, num_slots=4, max_seq_len=24)
     # Stale garbage everywhere: correct masking must never read beyond each slot's position.
     cache.k.normal_(generator=gen)
     cache.v.normal_(generator=gen)
@@ -71,7 +72,7 @@ def test_prefill_logits_at_last_prompt_token_and_chunked_prefill(make_native):
     gen = torch.Generator().manual_seed(4)
     seq = torch.randint(0, 61, (9,), generator=gen)
     full = _full_logits(model, seq)
-    cache = KVCache.for_model(config, num_slots=2, max_seq_len=16)
+    cache = kv_cache_for(config, num_slots=2, max_seq_len=16)
     slots = torch.tensor([1])
     # First chunk of 4 tokens, asking only for the last token's logits ...
     last = model.forward_cached(

@@ -4,9 +4,9 @@ import pytest
 
 from pipeline.errors import ConfigError
 from pipeline.rewards.registry import (
+    BUILTIN_REWARDS,
     RewardNotFound,
     auto_reward,
-    available,
     is_builtin,
     resolve,
     reward_name_for,
@@ -14,12 +14,12 @@ from pipeline.rewards.registry import (
 
 
 def test_builtins_resolve_with_the_uniform_signature():
-    assert {"gsm8k", "math", "format", "toy_reverse", "auto"} <= set(available())
+    assert {"gsm8k", "math", "format", "toy_reverse", "auto"} <= set(BUILTIN_REWARDS)
     assert resolve("gsm8k")("openai/gsm8k", "#### 7", "7", None) == 1.0
     assert resolve("math")("math", r"\boxed{\frac12}", "0.5", None) == 1.0
     assert resolve("format")("openai/gsm8k", "#### 7", "", None) == 1.0
     assert resolve("toy_reverse")("toy_reverse", "321", "321", None) == 1.0
-    assert all(is_builtin(name) for name in available())
+    assert all(is_builtin(name) for name in BUILTIN_REWARDS)
     assert not is_builtin("pkg.mod:fn")
 
 

@@ -300,7 +300,6 @@ def _critic_config(model_dir: str, **overrides: str) -> Any:
         {
             "model.path": model_dir,
             "controller.prompts_per_step": "2",
-            "learner.trainer.device": "cpu",  # the critic's too
             **overrides,
         },
     )

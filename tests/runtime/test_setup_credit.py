@@ -66,7 +66,12 @@ async def test_input_credit_is_granted_after_setup(tmp_path: Path, side: LoopThr
         assert prompts.stats.dead_peers == 0 and prompts.stats.redelivered == 0
         # the control plane's heartbeats stopped during setup too: it takes the replica
         # back (`_departed`) at its next one; tell it to stop only then
-        await wait_until(lambda: control.ready_peers("rollout"), 5, "the replica back")
+        peers = control.peers.values
+        await wait_until(
+            lambda: any(p.ready and p.hello.service == "rollout" for p in peers()),
+            5,
+            "the replica back",
+        )
         await side.call(control.broadcast(Shutdown(reason="test over")))
         await asyncio.wait_for(service, 10)
     finally:

@@ -59,10 +59,12 @@ def _fsdp_worker(rank: int, port: int, root: str) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    info = init_distributed()
+    info = init_distributed(device="cuda")
     try:
         out = Path(root)
-        config = TrainerConfig(lr=1e-3, mini_batches=2, max_tokens_per_micro_batch=24)
+        config = TrainerConfig(
+            device="cuda", lr=1e-3, mini_batches=2, max_tokens_per_micro_batch=24
+        )
         trainer = PolicyTrainer(out / "model", config, ALGORITHM)
         assert info.device.type == "cuda" and torch.distributed.get_backend() == "nccl"
         for step in range(2):

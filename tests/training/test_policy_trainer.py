@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench.learner_step import parse_variant
 
 from pipeline.algorithms import AlgorithmConfig
 from pipeline.errors import ConfigError
@@ -440,8 +441,9 @@ def test_compile_options_join_the_mode_and_bad_ones_fail_when_the_trainer_builds
         CONFIG.replace(compile=True, compile_options={"triton.mix_order": False}).compile_kwargs()
     with pytest.raises(ConfigError, match=r"triton\.enable_pdl takes a bool"):
         CONFIG.replace(compile=True, compile_options={"triton.enable_pdl": "yes"}).compile_kwargs()
-    # from a profile table, as TOML gives it
-    config = TrainerConfig.from_mapping({"compile": True, "compile_options": options})
+    # as TOML gives it (the learner bench's --set)
+    table = '{ "triton.mix_order_reduction" = false, "triton.enable_pdl" = true }'
+    config = CONFIG.replace(**parse_variant(f"compile=true,compile_options={table}"))
     assert config.compile_options == options
 
 

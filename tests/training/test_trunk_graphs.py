@@ -3,6 +3,8 @@ leaves to the trunk, and on CUDA the graphed forward and backward against the tr
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -44,6 +46,16 @@ def test_trunk_graphs_rejects_what_it_cannot_capture(changes, names):
     TrainerConfig(**{**base, **changes, "trunk_graphs": False}).validate()
 
 
+def _train_shapes(runner: TrunkGraphs) -> list[tuple[Any, ...]]:
+    """(input shape, cu_seqlens entries, max_seqlen, grouped) of each captured training pair."""
+    return [key[:4] for key in runner._graphs]
+
+
+def _forward_shapes(runner: TrunkGraphs) -> list[tuple[Any, ...]]:
+    """The same of each captured no-grad forward."""
+    return [key[:4] for key in runner._forwards]
+
+
 def _packed_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     lengths = [37, 50, 41]  # 128 tokens: one bucket of 64 * 2
@@ -62,7 +74,7 @@ def test_calls_it_cannot_replay_go_back_to_the_trunk():
     assert graphs(ids, positions, spec) is None  # not CUDA
     with torch.no_grad():
         assert graphs(ids, positions, spec) is None
-    assert graphs.replays == 0 and graphs.shapes == []
+    assert graphs.replays == 0 and _train_shapes(graphs) == []
     model.packed_runner = graphs
     plain = CausalLM(CONFIG)
     plain.load_state_dict(model.state_dict())
@@ -97,11 +109,11 @@ def test_graphed_trunk_matches_the_trunk_in_value_and_gradient_and_replays():
         for a, b in zip(*outs, strict=True):
             err = (a - b).abs().max().item() / max(1e-3, a.abs().max().item())
             assert err < 2e-2, (step, err)
-    assert runner.replays == 3 and len(runner.shapes) == 1 and runner.fallbacks == 0
+    assert runner.replays == 3 and len(_train_shapes(runner)) == 1 and runner.fallbacks == 0
     runner.no_grad = False
     with torch.no_grad():  # no forward graphs asked for: the trunk runs itself
         graphed.hidden_states_packed(ids, positions, cu, 64)
-    assert runner.replays == 3 and runner.forward_shapes == []
+    assert runner.replays == 3 and _forward_shapes(runner) == []
 
 
 @pytest.mark.gpu
@@ -126,7 +138,7 @@ def test_no_grad_forwards_replay_their_own_graphs_and_match_the_trunk():
     for want, got in outs:
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert outs[0][1].data_ptr() != outs[1][1].data_ptr()
-    assert runner.replays == 3 and len(runner.forward_shapes) == 1 and runner.shapes == []
+    assert runner.replays == 3 and len(_forward_shapes(runner)) == 1 and _train_shapes(runner) == []
     graphed.train()  # a trunk that does not train: no training graphs
     graphed.hidden_states_packed(ids, positions, cu, 64)
     assert runner.replays == 3
@@ -157,7 +169,7 @@ def test_a_shape_is_captured_after_the_trunk_trained_itself():
     _train_pass(model, ids, positions, cu)  # captured now
     _train_pass(model, ids, positions, cu)
     torch.cuda.synchronize()
-    assert runner.replays == 2 and len(runner.shapes) == 1
+    assert runner.replays == 2 and len(_train_shapes(runner)) == 1
 
 
 @pytest.mark.gpu
@@ -175,7 +187,7 @@ def test_a_training_shape_is_captured_after_a_no_grad_forward_graph():
     _train_pass(model, ids, positions, cu)
     _train_pass(model, ids, positions, cu)
     torch.cuda.synchronize()
-    assert len(runner.forward_shapes) == 1 and len(runner.shapes) == 1
+    assert len(_forward_shapes(runner)) == 1 and len(_train_shapes(runner)) == 1
     assert runner.replays == 3
 
 
@@ -200,4 +212,4 @@ def test_the_learner_warm_up_of_the_h200_profile_captures_every_training_shape(t
     trainer.warm_up(warm_up_batches(config, trainer.model.config.vocab_size))
     torch.cuda.synchronize()
     assert runner.capture_failures == 0 and runner.train
-    assert len(runner.shapes) >= 2 and runner.replays > 0
+    assert len(_train_shapes(runner)) >= 2 and runner.replays > 0

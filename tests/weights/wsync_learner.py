@@ -65,7 +65,9 @@ def main() -> None:
             line |= {"buckets": report.buckets, "engines": report.engines}
             group = publisher.group  # this rank's weight-group membership, if any
             line |= {"group_world": group.spec.world if group else 0}
-            line |= {"sources": sorted(set(publisher.gatherer.kinds().values()))}
+            # how each tensor is sourced: fsdp (bucketed all_gather), plain, replicated or
+            # full_tensor (per-tensor fallback)
+            line |= {"sources": sorted(set(publisher.gatherer._kind.values()))}
             line |= {"resharded": bool(publisher.layouts), "bytes": report.bytes}
             print(json.dumps(line), flush=True)
         publisher.close()

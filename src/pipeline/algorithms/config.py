@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 from pipeline.algorithms.kl_controller import KLControllerType
 from pipeline.algorithms.names import (
@@ -76,20 +75,6 @@ class AlgorithmConfig:
     vtrace_rho_bar: float = 1.0
     # V-trace's trace-cutting truncation
     vtrace_c_bar: float = 1.0
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any]) -> AlgorithmConfig:
-        """Build from a profile's [algorithm] table; unknown keys are errors, not ignored."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown key(s) {', '.join(f'{_SECTION}.{k}' for k in unknown)}; "
-                f"remove them or use one of: {', '.join(sorted(known))}"
-            )
-        config = cls(**raw)
-        config.validate()
-        return config
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad key and a valid range for it."""

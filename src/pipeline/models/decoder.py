@@ -254,9 +254,6 @@ class CausalLM(DecoderBase):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # (..., vocab)
-
     def forward(
         self,
         input_ids: torch.Tensor,

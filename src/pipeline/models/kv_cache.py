@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from pipeline.errors import PipelineError
-from pipeline.models.config import ModelConfig
 
 
 class CacheCapacityError(PipelineError):
@@ -49,25 +48,6 @@ class KVCache:
         # decode steps (t = 1) attend with the in-place Triton kernel instead of gather + SDPA;
         # set by the engine where `decode_kernel_supported` says it runs
         self.decode_kernel = False
-
-    @classmethod
-    def for_model(
-        cls,
-        config: ModelConfig,
-        num_slots: int,
-        max_seq_len: int,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str = "cpu",
-    ) -> KVCache:
-        return cls(
-            config.num_hidden_layers,
-            num_slots,
-            max_seq_len,
-            config.num_key_value_heads,
-            config.head_dim,
-            dtype or config.dtype,
-            device,
-        )
 
     @property
     def sink(self) -> int:

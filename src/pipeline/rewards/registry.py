@@ -44,11 +44,6 @@ def is_builtin(spec: str) -> bool:
     return spec in BUILTIN_REWARDS
 
 
-def available() -> list[str]:
-    """Names of the built-in rewards, for error messages and `--help`."""
-    return sorted(BUILTIN_REWARDS)
-
-
 def reward_name_for(data_source: str) -> str:
     """The built-in that `auto` uses for `data_source`; matches case-insensitively."""
     key = data_source.strip().lower()

@@ -71,7 +71,7 @@ class RewardScorer:
     """Scores batches with per-sample time limits; failures score 0 and are counted.
 
     `rewards` is one reward spec for every sample, or a map from `data_source` to spec with an
-    optional `"*"` fallback; a spec is a built-in name (see `registry.available()`) or a user
+    optional `"*"` fallback; a spec is a built-in name (`registry.BUILTIN_REWARDS`) or a user
     function `module:function` / `path/to/file.py:function`. Built-ins run inline and are not
     time-limited (the math built-in bounds its symbolic check itself, in a worker of its own);
     user functions run in `num_workers` worker processes with `timeout_s` each.

@@ -42,6 +42,7 @@ from pipeline.config import PipelineConfig
 from pipeline.config.schema import TRAINER_ROLES
 from pipeline.errors import ConfigError, RankGroupBroken, RankMismatch
 from pipeline.log import bind_process, configure_logging, get_logger
+from pipeline.training.config import role_device
 from pipeline.wire import codec
 from pipeline.wire.messages import Experience, RankCommand, RankOp
 from pipeline.wire.samples import GroupArrays, read_group, write_group
@@ -91,13 +92,6 @@ def check_world(config: PipelineConfig, role: str, world: int) -> None:
     )
 
 
-def rank_device(config: PipelineConfig, role: str) -> str:
-    """The device kind a rank of `role` computes on (cuda means cuda:LOCAL_RANK)."""
-    if role in TRAINER_ROLES:  # the critic's is the learner's
-        return config.learner.trainer.device
-    return "cuda" if config.pools[config.services[role].pool].kind == "cuda" else "cpu"
-
-
 def join(config: PipelineConfig, role: str, replica: int) -> RankLink | None:
     """Under torchrun: join the service's process group (gloo on CPU, nccl on CUDA with
     device cuda:LOCAL_RANK) and its command group. None for a single-process service."""
@@ -113,7 +107,7 @@ def join(config: PipelineConfig, role: str, replica: int) -> RankLink | None:
     configure_logging()
     rank = int(os.environ.get("RANK", "0"))
     bind_process(service=role, replica=replica, rank=rank)
-    info = init_distributed(device=rank_device(config, role))
+    info = init_distributed(device=role_device(config, role))
     if info.device.type == "cuda":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if torch.cuda.device_count() < local_world:

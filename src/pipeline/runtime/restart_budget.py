@@ -14,7 +14,6 @@ class RestartBudget:
         self.limit = limit
         self.window_s = window_s
         self._times: deque[float] = deque()
-        self.total = 0  # restarts over the whole run
 
     def take(self, now: float) -> bool:
         """Whether a restart at `now` (monotonic seconds) is within the budget; if so it
@@ -24,13 +23,7 @@ class RestartBudget:
         if len(self._times) >= self.limit:
             return False
         self._times.append(now)
-        self.total += 1
         return True
-
-    @property
-    def recent(self) -> int:
-        """Restarts inside the current window."""
-        return len(self._times)
 
 
 def restartable(role: str, code: int) -> bool:

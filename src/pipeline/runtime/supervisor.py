@@ -129,9 +129,6 @@ class Supervisor:
             {"time": child.started_at, "service": child.name, "started": child.proc.pid}
         )
 
-    def pids(self) -> dict[str, int]:
-        return {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}
-
     def _record_exit(self, child: Child, code: int) -> None:
         child.exits.append(code)
         self.events.append({"time": time.time(), "service": child.name, "exit": code})

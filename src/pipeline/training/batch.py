@@ -196,30 +196,6 @@ class ExperienceBatch:
             **optional,
         )
 
-    @staticmethod
-    def concat(batches: Sequence[ExperienceBatch]) -> ExperienceBatch:
-        """One batch of all samples, in order; optional fields survive only if all have them."""
-        if not batches:
-            raise BatchError("concat needs at least one batch")
-        width = max(b.max_response_len for b in batches)
-
-        def widen(t: Tensor) -> Tensor:
-            return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-        fields: dict[str, Any] = {
-            "prompt_ids": [p for b in batches for p in b.prompt_ids],
-            "response_ids": [r for b in batches for r in b.response_ids],
-            "uids": [u for b in batches for u in b.uids],
-            "scores": torch.cat([b.scores for b in batches]),
-            "group_ids": torch.cat([b.group_ids for b in batches]),
-        }
-        for name in _TOKEN_FIELDS:
-            parts = [getattr(b, name) for b in batches]
-            fields[name] = (
-                None if any(p is None for p in parts) else torch.cat([widen(p) for p in parts])
-            )
-        return ExperienceBatch(**fields)
-
     # -- views ------------------------------------------------------------------------
 
     @property
@@ -240,10 +216,6 @@ class ExperienceBatch:
         return [
             p.numel() + r.numel() for p, r in zip(self.prompt_ids, self.response_ids, strict=True)
         ]
-
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.response_mask.sum())
 
     def replace(self, **changes: Any) -> ExperienceBatch:
         return dataclasses.replace(self, **changes)

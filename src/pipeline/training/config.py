@@ -163,7 +163,6 @@ class PolicyTrainerSection(TrainerSection):
     # the plain eager path (padded micro-batches, torch's AdamW). The same results either
     # way, up to floating-point rounding (`kernel_switches`)
     kernels: Kernels = "auto"
-    device: str = "auto"  # "auto": cuda:LOCAL_RANK when CUDA is available, else cpu
     # a batch the current weights sampled (every token of the learner's current version,
     # staleness 0): its behaviour log-probs are the proximal ones, no forward for them
     # (checked every tenth such step against the learner's)
@@ -191,10 +190,12 @@ class PolicyTrainerSection(TrainerSection):
 
 @dataclass(frozen=True)
 class TrainerConfig(PolicyTrainerSection):
-    """What a trainer runs with: a section's keys and the switches that `resolve` derives
-    from its `kernels` and the device (a TrainerConfig built directly takes them as given:
-    the tests pick each one)."""
+    """What a trainer runs with: a section's keys, the device of its service's pool and the
+    switches that `resolve` derives from its `kernels` and that device (a TrainerConfig built
+    directly takes them as given: the tests pick each one)."""
 
+    # cpu, or cuda (cuda:LOCAL_RANK) or cuda:N; a run's is its service's pool kind
+    device: str = "cpu"
     # AdamW's fused kernel: None = on CUDA for an unsharded model. Fused, the clip and the
     # skip of a non-finite update happen on the device, with no host sync before the step
     fused_optimizer: bool | None = None
@@ -293,23 +294,6 @@ class TrainerConfig(PolicyTrainerSection):
     # "transformers" forces transformers' for a native family too (the library's option:
     # bench/hf_path.py measures the two)
     implementation: Literal["auto", "native", "transformers"] = "auto"
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any]) -> TrainerConfig:
-        """Build from a profile table; unknown keys are errors so typos fail at startup."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown key(s) {', '.join(f'{_SECTION}.{k}' for k in unknown)}; "
-                f"use one of: {', '.join(sorted(known))}"
-            )
-        values = dict(raw)
-        if "betas" in values:
-            values["betas"] = tuple(values["betas"])
-        config = cls(**values)
-        config.validate()
-        return config
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad key or switch."""
@@ -472,13 +456,10 @@ def kernel_switches(
     return switches
 
 
-def device_type(device: str) -> str:
-    """cuda or cpu: what `device` ("auto", "cpu", "cuda:1", ...) computes on."""
-    if device != "auto":
-        return device.split(":")[0]
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def role_device(config: PipelineConfig, role: str) -> str:
+    """cuda or cpu: the kind of the pool `role`'s service runs on (a rank of a cuda one
+    computes on cuda:LOCAL_RANK)."""
+    return "cuda" if config.pools[config.services[role].pool].kind == "cuda" else "cpu"
 
 
 def device_peak_flops(kind: str) -> float:
@@ -493,20 +474,20 @@ def device_peak_flops(kind: str) -> float:
 
 
 # the critic's keys that are the learner's (PolicyTrainerSection)
-SHARED_WITH_CRITIC = ("betas", "eps", "exp_avg_dtype", "param_dtype", "kernels", "device")
+SHARED_WITH_CRITIC = ("betas", "eps", "exp_avg_dtype", "param_dtype", "kernels")
 
 
 def resolve(config: PipelineConfig, role: str, device: str = "") -> TrainerConfig:
     """The trainer config of `role` (learner or critic) in a run: its section's keys (the
-    critic's precision and kernels the learner's), the switches derived from `kernels` on the
-    device it computes on (`device`, else the section's), the device's peak FLOP/s and the
-    run's seed. A process of several ranks (torchrun) is sharded."""
+    critic's precision and kernels the learner's), the device it computes on (`device`, else
+    its service's pool kind), the switches derived from `kernels` on it, the device's peak
+    FLOP/s and the run's seed. A process of several ranks (torchrun) is sharded."""
     policy = role == "learner"
     section: TrainerSection = config.learner.trainer if policy else config.critic.trainer
     keys = {f.name: getattr(section, f.name) for f in fields(section)}
     keys |= {k: getattr(config.learner.trainer, k) for k in SHARED_WITH_CRITIC}
-    keys["device"] = device or keys["device"]
-    kind = device_type(keys["device"])
+    keys["device"] = device or role_device(config, role)
+    kind = keys["device"].split(":")[0]
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     switches = kernel_switches(keys["kernels"], kind, sharded=sharded, policy=policy)
     trainer = TrainerConfig(

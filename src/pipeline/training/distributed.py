@@ -35,16 +35,18 @@ class DistInfo:
         return self.rank == 0
 
 
-def default_device(local_rank: int = 0) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
-    """ "auto" -> default_device; anything else is passed to torch.device."""
-    return default_device(local_rank) if spec == "auto" else torch.device(spec)
+    """ "cuda" -> cuda:LOCAL_RANK (of the devices this process sees); "cpu", "cuda:N" as
+    given."""
+    if spec != "cuda":
+        return torch.device(spec)
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ConfigError(
+            "device cuda but this process sees no CUDA device: give its pool GPUs or make "
+            "it a cpu pool"
+        )
+    return torch.device("cuda", local_rank % count)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -60,7 +62,7 @@ def _env_int(name: str, default: int) -> int:
 def init_distributed(
     backend: str | None = None,
     *,
-    device: str = "auto",
+    device: str,
     timeout_s: float = 1800.0,
 ) -> DistInfo:
     """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK.
@@ -90,7 +92,7 @@ def init_distributed(
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
 
 
-def current_dist_info(device: str = "auto") -> DistInfo:
+def current_dist_info(device: str) -> DistInfo:
     """DistInfo of the existing default group (or of a single process without one)."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()

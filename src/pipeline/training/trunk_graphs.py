@@ -106,16 +106,6 @@ class TrunkGraphs:
         self.fallbacks = 0  # calls the trunk ran itself (graphs full, weights moved)
         self.capture_failures = 0
 
-    @property
-    def shapes(self) -> list[tuple[Any, ...]]:
-        """(input shape, cu_seqlens entries, max_seqlen, grouped) of each captured pair."""
-        return [key[:4] for key in self._graphs]
-
-    @property
-    def forward_shapes(self) -> list[tuple[Any, ...]]:
-        """The same of each captured no-grad forward."""
-        return [key[:4] for key in self._forwards]
-
     def __call__(self, input_ids: Tensor, positions: Tensor, spec: AttentionSpec) -> Tensor | None:
         """The trunk's hidden states (1, T, hidden) from the graphs, or None where they do
         not apply (the caller then runs the trunk itself)."""

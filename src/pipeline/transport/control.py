@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pipeline.errors import HandshakeTimeout, SchemaMismatch, ServiceDeadError
+from pipeline.errors import HandshakeTimeout, SchemaMismatch
 from pipeline.log import get_logger
 from pipeline.transport.channel import (
     ChannelConfig,
@@ -127,13 +127,6 @@ class ControlServer:
         for peer in peers:
             await self.send(peer, body)
         return [peer.name for peer in peers]
-
-    def ready_peers(self, service: str | None = None) -> list[Peer]:
-        return [
-            p
-            for p in self.peers.values()
-            if p.ready and (service is None or p.hello.service == service)
-        ]
 
     async def close(self) -> None:
         if self._closed:
@@ -287,12 +280,6 @@ class ControlClient:
                     asyncio.create_task(self._liveness_loop()),
                 ]
                 return msg.body
-
-    def check_alive(self) -> None:
-        if self.controller_dead.is_set():
-            raise ServiceDeadError(
-                f"controller at {self.endpoint} silent for more than {self.config.peer_timeout_s}s"
-            )
 
     async def close(self) -> None:
         if self._closed:

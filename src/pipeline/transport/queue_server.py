@@ -138,10 +138,6 @@ class QueueServer:
     def unacked(self) -> int:
         return len(self._by_uid)
 
-    @property
-    def consumers(self) -> int:
-        return len(self._consumers)
-
     async def close(self) -> None:
         if self._closed:
             return

@@ -102,11 +102,6 @@ class BucketGatherer:
             return "fsdp"
         return "full_tensor"
 
-    def kinds(self) -> dict[str, str]:
-        """How each tensor is sourced: fsdp (bucketed all_gather), plain, replicated or
-        full_tensor (per-tensor fallback)."""
-        return dict(self._kind)
-
     def refresh(self, params: Mapping[str, torch.Tensor]) -> None:
         """Point at the current parameter objects (same names and shapes)."""
         for spec in self.plan.specs:

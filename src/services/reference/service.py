@@ -16,7 +16,7 @@ import numpy as np
 from pipeline.runtime.ranks import TrainerThread
 from pipeline.runtime.service import Output, Service
 from pipeline.training.batch import ExperienceBatch
-from pipeline.training.config import reference_config
+from pipeline.training.config import reference_config, role_device
 from pipeline.training.warm_up import Recompiles, warm_up
 from pipeline.wire import codec
 from pipeline.wire.messages import Scored
@@ -41,7 +41,9 @@ class ReferenceService(Service):
 
         torch.set_num_threads(max(1, self.config.run.torch_threads))
         directory = model_dir(self.config, Path(self.ctx.run_dir))
-        reference = ReferencePolicy(str(directory), reference_config(self.config, "auto"))
+        reference = ReferencePolicy(
+            str(directory), reference_config(self.config, role_device(self.config, "reference"))
+        )
         warm_up(self.log, self.config, [reference])  # before the first group
         return reference
 

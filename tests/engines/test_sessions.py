@@ -104,3 +104,21 @@ def test_a_session_runs_one_request_at_a_time(make_torch_engine) -> None:
         engine.add_request(GenerationRequest("r1", prompt, SamplingParams(), "ep"))
     with pytest.raises(InvalidRequestError, match="n must be 1"):
         GenerationRequest("r2", prompt, SamplingParams(n=2), "other")
+
+
+def test_first_turns_of_one_prompt_share_its_prefill(make_torch_engine) -> None:
+    """A group's episodes are requests of their own; admitted together, their first turns
+    prefill the shared prompt once, and sample as if each had prefilled it."""
+    (prompt,) = prompts(1, [9])
+    params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=s) for s in (1, 2)]
+    shared = make_torch_engine(max_batch=4)
+    outs = shared.generate(
+        [GenerationRequest(f"e{i}", prompt, p, f"ep{i}") for i, p in enumerate(params)]
+    )
+    assert shared.prefill_rows == 1
+    assert sorted(o.cached_tokens for o in outs) == [0, len(prompt)]
+    alone = make_torch_engine(max_batch=4)
+    for out, p in zip(outs, params, strict=True):
+        (ref,) = alone.generate([GenerationRequest("r", prompt, p)])
+        assert out.output_ids == ref.output_ids
+        torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)

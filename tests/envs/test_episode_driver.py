@@ -152,12 +152,11 @@ def check_token_fields(model: CausalLM, ids: np.ndarray, sample) -> None:
     assert (sample.token_versions == 0).all()
 
 
-@pytest.mark.parametrize("keep_kv", [True, False], ids=["kv-kept", "kv-recomputed"])
-def test_a_tool_call_then_the_answer(tokenizer, keep_kv: bool) -> None:
+def test_a_tool_call_then_the_answer(tokenizer) -> None:
     prompt, ids = prompt_of(tokenizer, "xb", max_new_tokens=16, n=3)
     engines: list[TorchEngine] = []
     samples, stats, model, counters = drive(
-        tokenizer, "toy_lookup", prompt, ids, keep_kv=keep_kv, engine_out=engines
+        tokenizer, "toy_lookup", prompt, ids, engine_out=engines
     )
     assert [s.uid for s in samples] == ["p/0", "p/1", "p/2"]
     for sample in samples:
@@ -169,19 +168,31 @@ def test_a_tool_call_then_the_answer(tokenizer, keep_kv: bool) -> None:
     assert stats["rollout/turns"] == 2.0
     assert stats["rollout/tool_calls"] == 1.0 and stats["rollout/tool_errors"] == 0.0
     assert stats["rollout/masked_tokens"] == 6.0
-    # turn 2 is "?" (sampled last, never fed back) and the tool's 6 tokens; kept, the
-    # cache holds the rest; else it prefills the prompt and "?" again
+    # the KV cache kept across turns: nothing of turn 1 is prefilled again
+    assert stats["rollout/recomputed_tokens"] == stats["rollout/kv_evicted"] == 0.0
+    # each episode's turn 2 prefills its 7 new tokens; the prompt, once per episode or
+    # once for the group (episodes of one prompt admitted together share its prefill)
+    assert len(ids) / 3 + 7 <= stats["rollout/prefill_tokens"] <= len(ids) + 7
+    assert len(engines[0].sessions) == 0  # every episode released its kept cache
+    assert stats["rollout/env_errors"] == stats["rollout/env_timeouts"] == 0.0
+    assert stats["rollout/env_seconds"] > 0
+    assert (counters.episodes, counters.steps, counters.errors) == (3, 6, 0)
+
+
+@pytest.mark.parametrize("keep_kv", [True, False], ids=["kv-kept", "kv-recomputed"])
+def test_what_an_episode_prefills_with_its_kv_cache_kept_or_not(tokenizer, keep_kv) -> None:
+    """Turn 2 is "?" (sampled last, never fed back) and the tool's 6 tokens: kept, the
+    cache holds the rest; else turn 2 prefills the prompt and "?" again."""
+    prompt, ids = prompt_of(tokenizer, "xb", max_new_tokens=16)
+    (sample,), stats, model, _ = drive(tokenizer, "toy_lookup", prompt, ids, keep_kv=keep_kv)
+    assert sample.response_text == "? 482 =482"
+    check_token_fields(model, ids, sample)
     if keep_kv:
         assert stats["rollout/prefill_tokens"] == len(ids) + 7.0
         assert stats["rollout/recomputed_tokens"] == 0.0
     else:
         assert stats["rollout/prefill_tokens"] == 2 * len(ids) + 7.0
         assert stats["rollout/recomputed_tokens"] == len(ids)
-    assert stats["rollout/kv_evicted"] == 0.0
-    assert len(engines[0].sessions) == 0  # every episode released its kept cache
-    assert stats["rollout/env_errors"] == stats["rollout/env_timeouts"] == 0.0
-    assert stats["rollout/env_seconds"] > 0
-    assert (counters.episodes, counters.steps, counters.errors) == (3, 6, 0)
 
 
 def test_a_malformed_call_is_a_tool_error_and_the_episode_goes_on(tokenizer) -> None:

@@ -133,6 +133,7 @@ class _Sample:
     admit_clock: int = 0
     offset: int = 0  # prompt tokens whose keys and values the slot already held at admission
     evicted: bool = False  # the session's kept cache was evicted before this turn
+    shared: bool = False  # its prompt's keys and values were copied from another's prefill
 
     @property
     def truncates(self) -> bool:
@@ -141,10 +142,20 @@ class _Sample:
 
 
 def _prompt_leaders(samples: list[_Sample]) -> list[int]:
-    """Per sample, the index of the first sample of its request: the one that prefills the
-    prompt they share."""
-    first: dict[str, int] = {}
-    return [first.setdefault(s.request_id, i) for i, s in enumerate(samples)]
+    """Per sample, the index of the first sample that prefills the same tokens: its
+    request's first sample; for an episode's first turn, the first of those admitted with
+    the same prompt (a group's episodes are requests of their own). A continued session
+    prefills its own."""
+    first: dict[object, int] = {}
+    return [first.setdefault(_prefill_key(s), i) for i, s in enumerate(samples)]
+
+
+def _prefill_key(sample: _Sample) -> object:
+    if sample.session is None:
+        return sample.request_id
+    if sample.offset:
+        return (sample.session,)
+    return tuple(sample.prompt_ids)
 
 
 @dataclass
@@ -485,6 +496,8 @@ class TorchEngine(ModuleWeightsEngine, Engine):
             for i, (s, j) in enumerate(zip(samples, leader, strict=True))
             if i != j
         ]
+        for i, j in enumerate(leader):
+            samples[i].shared = i != j
         src, dst = torch.tensor(siblings, device=self.device).unbind(1)  # (k - u,) each
         for buf in (self.cache.k, self.cache.v):
             buf[:, dst, :kv_len] = buf[:, src, :kv_len]
@@ -637,7 +650,7 @@ class TorchEngine(ModuleWeightsEngine, Engine):
                         finish_reason=(
                             "stop" if out_ids[-1] in s.params.stop_token_ids else "length"
                         ),
-                        cached_tokens=s.offset,
+                        cached_tokens=len(s.prompt_ids) if s.shared else s.offset,
                         kv_evicted=s.evicted,
                     )
                 )

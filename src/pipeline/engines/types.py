@@ -88,9 +88,10 @@ class GenerationOutput:
     """One finished sample; logprobs and token_versions align with output_ids.
 
     token_versions holds the policy version whose weights produced each token; a sample that
-    straddles a weight update carries both versions. cached_tokens: prompt tokens served from
-    its session's kept KV cache (not prefilled again); kv_evicted: the session's cache had
-    been evicted for want of slots, so the whole prompt was prefilled again.
+    straddles a weight update carries both versions. cached_tokens: prompt tokens not
+    prefilled for this sample: served from its session's kept KV cache, or copied from
+    another sample's prefill of the same prompt; kv_evicted: the session's cache had been
+    evicted for want of slots, so the whole prompt was prefilled again.
     """
 
     request_id: str

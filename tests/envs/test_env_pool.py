@@ -122,11 +122,16 @@ async def test_a_plain_environment_takes_one_call_at_a_time(make_pool) -> None:
     assert not pool.concurrent
 
 
-async def test_a_hung_coroutine_fails_alone_while_the_worker_serves_others(make_pool) -> None:
+async def one_async_worker_with_a_and_b(make_pool) -> tuple[EnvPool, int]:
+    """A pool of one worker hosting episodes a and b of a coroutine environment; its pid."""
     pool = make_pool("tests.envs.faulty_envs:AsyncEnv", workers=1, step_timeout_s=1.0)
     for uid in ("a", "b"):
         await pool.open(episode(uid))
-    old = pool.worker_pids[0]
+    return pool, pool.worker_pids[0]
+
+
+async def test_a_hung_coroutine_fails_alone_while_the_worker_serves_others(make_pool) -> None:
+    pool, old = await one_async_worker_with_a_and_b(make_pool)
 
     async def served_meanwhile() -> float:
         await asyncio.sleep(0.05)
@@ -145,10 +150,7 @@ async def test_a_hung_coroutine_fails_alone_while_the_worker_serves_others(make_
 
 
 async def test_a_blocked_worker_is_killed_and_its_calls_in_flight_are_lost(make_pool) -> None:
-    pool = make_pool("tests.envs.faulty_envs:AsyncEnv", workers=1, step_timeout_s=1.0)
-    for uid in ("a", "b"):
-        await pool.open(episode(uid))
-    old = pool.worker_pids[0]
+    pool, old = await one_async_worker_with_a_and_b(make_pool)
 
     async def behind() -> object:
         await asyncio.sleep(0.1)  # sent while the worker's loop is blocked

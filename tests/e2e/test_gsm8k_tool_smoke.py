@@ -95,18 +95,21 @@ class ScriptedRunner:
     def __init__(self, tokenizer, turns: list[str]) -> None:
         self.tokenizer, self.turns = tokenizer, list(turns)
 
-    async def generate(self, request: Prompt, ids: np.ndarray, extra_stop_ids=()):
+    async def generate_turn(self, request: Prompt, ids: np.ndarray, extra_stop_ids, session):
+        """The next scripted turn; no prompt token served from a kept cache."""
         encoded = self.tokenizer.encode(self.turns.pop(0), add_special_tokens=False)
         response = np.asarray([*encoded, self.tokenizer.eos_token_id], np.int32)
-        return (
-            SampleArrays(
-                uid=request.uid,
-                response_ids=response,
-                behaviour_logprobs=np.full(len(response), -0.5, np.float32),
-                token_versions=np.zeros(len(response), np.int32),
-                finish_reason="stop",
-            ),
+        sample = SampleArrays(
+            uid=request.uid,
+            response_ids=response,
+            behaviour_logprobs=np.full(len(response), -0.5, np.float32),
+            token_versions=np.zeros(len(response), np.int32),
+            finish_reason="stop",
         )
+        return sample, 0, False
+
+    def release(self, session: str) -> None:
+        """Nothing is kept across turns here."""
 
 
 async def test_scripted_tool_call_through_the_char_tokenizer_and_driver(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from pipeline.errors import ConfigError
 from pipeline.models import save_model
 from pipeline.models.tensor_parallel import TPGroup, shard_model
 from tests.engines.helpers import TINY, make_model
-from tests.engines.tp_requests import phases, update_for
+from tests.engines.tp_requests import phases, session_turns, update_for
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_LIKE = dataclasses.replace(
@@ -39,6 +39,7 @@ def _one_rank(model_dir: Path) -> dict[str, list]:
             engine.update_weights(update.items(), version=1)
         outs = engine.generate(requests)
         result[name] = [[o.output_ids, o.logprobs, o.token_versions] for o in outs]
+    result["sessions"] = session_turns(engine)
     return result
 
 
@@ -87,6 +88,10 @@ def test_two_rank_engine_generates_as_one_rank(tmp_path: Path, config):
             )
             assert versions == w_versions == [int(phase == "after_update")] * len(ids)
     assert same >= 0.9 * total, f"{same} of {total} samples equal"
+    # sessions: kept caches and a release taken by every rank at the same step
+    assert got["sessions"] == want["sessions"]
+    cached = [c for _, c in want["sessions"]]
+    assert cached[:2] == [0, 0] and cached[2] > 0 and cached[3] == 0
 
 
 def test_shards_need_divisible_heads_and_vocabulary():

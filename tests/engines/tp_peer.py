@@ -20,7 +20,7 @@ from pipeline.engines.tp_engine import TPEngine
 from pipeline.models import load_model
 from pipeline.models.tensor_parallel import TPGroup, shard_model
 from pipeline.weights.tp import shard
-from tests.engines.tp_requests import phases, update_for
+from tests.engines.tp_requests import phases, session_turns, update_for
 
 
 def main() -> None:
@@ -51,6 +51,7 @@ def main() -> None:
                 flag.touch()  # the follower parks its shards only after this
             outs = engine.generate(requests)
             result[name] = [[o.output_ids, o.logprobs, o.token_versions] for o in outs]
+        result["sessions"] = session_turns(engine)
         engine.close()
     else:
 

@@ -32,3 +32,22 @@ def phases() -> list[tuple[str, list[GenerationRequest]]]:
         ),
         ("after_update", [GenerationRequest(f"a{i}", p, sampled) for i, p in enumerate(texts)]),
     ]
+
+
+def session_turns(engine) -> list[list]:
+    """Two episodes' two greedy turns: episode 0 continues from its kept cache, episode 1
+    is released in between and prefills its second turn from scratch. A rank that missed
+    the release would admit episode 1 into its kept slot and part from its leader."""
+    texts = prompts(2, [6, 8], seed=4)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    first = engine.generate(
+        [GenerationRequest(f"e{i}t0", p, greedy, f"e{i}") for i, p in enumerate(texts)]
+    )
+    engine.release("e1")
+    second = engine.generate(
+        [
+            GenerationRequest(f"e{i}t1", [*o.prompt_ids, *o.output_ids, 5, 6, 7], greedy, f"e{i}")
+            for i, o in enumerate(first)
+        ]
+    )
+    return [[o.output_ids, o.cached_tokens] for o in [*first, *second]]

@@ -122,3 +122,28 @@ def test_first_turns_of_one_prompt_share_its_prefill(make_torch_engine) -> None:
         (ref,) = alone.generate([GenerationRequest("r", prompt, p)])
         assert out.output_ids == ref.output_ids
         torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_identical_continuations_share_their_prefill_where_caches_hold_one_version(
+    make_torch_engine, kv: str
+) -> None:
+    """Two episodes of one prompt that sampled the same turn and got the same environment
+    tokens continue identical sequences: one prefill serves both, unless kept caches may
+    hold different versions' keys (kv_on_update keep)."""
+    (prompt,) = prompts(1, [9])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=5)
+    engine = make_torch_engine(max_batch=4, kv_on_update=kv)
+    first = engine.generate([GenerationRequest(f"e{i}", prompt, greedy, f"ep{i}") for i in (0, 1)])
+    assert first[0].output_ids == first[1].output_ids
+    rows = engine.prefill_rows
+    nxt = second_prompt(first[0])
+    second = engine.generate([GenerationRequest(f"e{i}t1", nxt, greedy, f"ep{i}") for i in (0, 1)])
+    shared = kv == "recompute"
+    assert engine.prefill_rows == rows + (1 if shared else 2)
+    kept = len(nxt) - len(ENV) - 1
+    assert sorted(o.cached_tokens for o in second) == ([kept, len(nxt)] if shared else [kept] * 2)
+    (fresh,) = make_torch_engine(max_batch=4).generate([GenerationRequest("f", nxt, greedy)])
+    for out in second:
+        assert out.output_ids == fresh.output_ids  # greedy: the same continuation
+        torch.testing.assert_close(out.logprobs, fresh.logprobs, atol=1e-5, rtol=0)

@@ -170,9 +170,9 @@ def test_a_tool_call_then_the_answer(tokenizer) -> None:
     assert stats["rollout/masked_tokens"] == 6.0
     # the KV cache kept across turns: nothing of turn 1 is prefilled again
     assert stats["rollout/recomputed_tokens"] == stats["rollout/kv_evicted"] == 0.0
-    # each episode's turn 2 prefills its 7 new tokens; the prompt, once per episode or
-    # once for the group (episodes of one prompt admitted together share its prefill)
-    assert len(ids) / 3 + 7 <= stats["rollout/prefill_tokens"] <= len(ids) + 7
+    # each episode prefills the prompt and turn 2's 7 new tokens, or shares them with the
+    # group's other episodes (the same sequence admitted together is prefilled once)
+    assert (len(ids) + 7) / 3 <= stats["rollout/prefill_tokens"] <= len(ids) + 7
     assert len(engines[0].sessions) == 0  # every episode released its kept cache
     assert stats["rollout/env_errors"] == stats["rollout/env_timeouts"] == 0.0
     assert stats["rollout/env_seconds"] > 0

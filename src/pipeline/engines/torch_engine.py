@@ -141,21 +141,21 @@ class _Sample:
         return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
 
 
-def _prompt_leaders(samples: list[_Sample]) -> list[int]:
+def _prompt_leaders(samples: list[_Sample], *, same_weights: bool) -> list[int]:
     """Per sample, the index of the first sample that prefills the same tokens: its
-    request's first sample; for an episode's first turn, the first of those admitted with
-    the same prompt (a group's episodes are requests of their own). A continued session
-    prefills its own."""
+    request's first sample; for a session's turn (a group's episodes are requests of their
+    own), the first admitted with the same sequence and cached prefix. A continued turn
+    shares only where every kept cache holds the current weights' keys (`same_weights`)."""
     first: dict[object, int] = {}
-    return [first.setdefault(_prefill_key(s), i) for i, s in enumerate(samples)]
+    return [first.setdefault(_prefill_key(s, same_weights), i) for i, s in enumerate(samples)]
 
 
-def _prefill_key(sample: _Sample) -> object:
+def _prefill_key(sample: _Sample, same_weights: bool) -> object:
     if sample.session is None:
         return sample.request_id
-    if sample.offset:
+    if sample.offset and not same_weights:
         return (sample.session,)
-    return tuple(sample.prompt_ids)
+    return (sample.offset, tuple(sample.prompt_ids))
 
 
 @dataclass
@@ -477,7 +477,12 @@ class TorchEngine(ModuleWeightsEngine, Engine):
     ) -> torch.Tensor:
         """The prefill's last-token logits (k, vocab): with shared_prefill, one row per
         prompt, its keys and values copied to its siblings' slots."""
-        leader = _prompt_leaders(samples) if self.config.shared_prefill else list(range(len(ids)))
+        cfg = self.config
+        leader = (
+            _prompt_leaders(samples, same_weights=cfg.kv_on_update == "recompute")
+            if cfg.shared_prefill
+            else list(range(len(ids)))
+        )
         leaders = sorted(set(leader))
         self.prefill_rows += len(leaders)
         self.prefill_samples += len(samples)

@@ -388,37 +388,20 @@ def gpu_sharing(run_dir: Path) -> str:
     return text
 
 
+# one GPU, a random model of the 0.5B shape, synchronous then staleness 1
+_ONE_GPU = {
+    "profile": "profiles/h200-single.toml",
+    "shape": "0.5b",
+    "device": "cuda",
+    "staleness": "0,1",
+}
 PRESETS = {
-    "one-gpu": {
-        "profile": "profiles/h200-single.toml",
-        "shape": "0.5b",
-        "device": "cuda",
-        "steps": 30,
-        "skip": 20,
-        "staleness": "0,1",
-    },
+    "one-gpu": {**_ONE_GPU, "steps": 30, "skip": 20},
     # budgets per prompt up to 2048 tokens (e2e_workload.long_tail_budgets)
-    "one-gpu-long-tail": {
-        "profile": "profiles/h200-single.toml",
-        "shape": "0.5b",
-        "device": "cuda",
-        "steps": 20,
-        "skip": 8,
-        "staleness": "0,1",
-        "workload": "long-tail",
-        "cap": 2048,
-    },
+    "one-gpu-long-tail": {**_ONE_GPU, "steps": 20, "skip": 8, "workload": "long-tail", "cap": 2048},
     # the toy tool task's multi-turn episodes, tool calls of a median 0.5 s wait
     # (e2e_workload.agentic_overrides)
-    "one-gpu-agentic": {
-        "profile": "profiles/h200-single.toml",
-        "shape": "0.5b",
-        "device": "cuda",
-        "steps": 20,
-        "skip": 8,
-        "staleness": "0,1",
-        "workload": "agentic",
-    },
+    "one-gpu-agentic": {**_ONE_GPU, "steps": 20, "skip": 8, "workload": "agentic"},
 }
 
 

@@ -294,6 +294,7 @@ def test_warm_up_cpu(tmp_path: Path) -> None:
     assert len(figs[1]["config"]["cprofile_cumulative"]) == 5
 
 
+@pytest.mark.slow
 def test_e2e_preset_cpu(tmp_path: Path) -> None:
     """The one-GPU workload's preset, KL-PPO, shortened for a CPU: its prompts of 62 tokens,
     the critic's busy seconds, each pool's idle share, the bounds of the phases."""

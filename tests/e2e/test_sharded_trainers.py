@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS, PER_STEP, N_SAMPLES = 8, 4, 4
 
@@ -82,6 +84,7 @@ def _check_sharded(log: Path, role: str) -> None:
     assert sorted(e["rank"] for e in _events(log, "rank_left")) == [0, 1]
 
 
+@pytest.mark.slow
 def test_a_learner_of_two_fsdp_ranks_trains_the_run(tmp_path):
     run = _run(
         tmp_path,

@@ -99,6 +99,7 @@ def test_kernel_matches_float64_attention_under_the_triton_interpreter():
     assert "kernel ok" in interpret(script)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason=NO_TRITON)
 def test_engine_with_the_kernel_generates_what_the_sdpa_path_does_under_the_interpreter():
     # continuous batching with overlap: finished rows stay in the batch with length 0

@@ -116,7 +116,7 @@ class EngineRunner:
         pending = self._submit_prompt(prompt, prompt_ids, extra_stop_ids, session)
         (sample,) = await pending.future
         out = pending.outputs[0]
-        return sample, int(getattr(out, "cached_tokens", 0)), bool(getattr(out, "kv_evicted", 0))
+        return sample, out.cached_tokens, out.kv_evicted
 
     def release(self, session: str) -> None:
         """End an episode's session: the engine frees the KV cache it kept."""

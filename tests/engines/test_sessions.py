@@ -147,3 +147,12 @@ def test_identical_continuations_share_their_prefill_where_caches_hold_one_versi
     for out in second:
         assert out.output_ids == fresh.output_ids  # greedy: the same continuation
         torch.testing.assert_close(out.logprobs, fresh.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_changed_history_reuses_only_the_common_prefix(make_torch_engine) -> None:
+    engine = make_torch_engine(max_batch=4)
+    (prompt,) = prompts(1, [9])
+    first = turn(engine, "t0", prompt, "ep")
+    changed = [*first.prompt_ids[:4], (first.prompt_ids[4] + 1) % 96, *first.prompt_ids[5:]]
+    second = turn(engine, "t1", [*changed, *first.output_ids, *ENV], "ep", seed=4)
+    assert second.cached_tokens == 4

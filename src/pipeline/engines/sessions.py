@@ -29,13 +29,10 @@ class Kept:
         token is always left to prefill (it gives the next token's logits)."""
         if self.stale or self.tokens is None:
             return 0
-        cached = self.tokens[:-1]
-        n = 0
-        for a, b in zip(cached, prompt, strict=False):
-            if a != b:
-                break
-            n += 1
-        return min(n, len(prompt) - 1)
+        n = min(len(self.tokens) - 1, len(prompt) - 1)
+        if self.tokens[:n] == prompt[:n]:  # the usual case, compared in one C loop
+            return n
+        return next(i for i in range(n) if self.tokens[i] != prompt[i])
 
 
 class Sessions:

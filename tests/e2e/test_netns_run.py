@@ -19,15 +19,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO
 
 import pytest
 
-from pipeline.transport.channel import free_tcp_port
 from tests import netns
+from tests.e2e.two_pools import pipeline_command, two_pool_profile
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -37,58 +36,6 @@ STEPS = 8
 def hosts():
     with netns.two_hosts() as pair:
         yield pair
-
-
-def _pipeline() -> list[str]:
-    script = Path(sys.executable).with_name("pipeline")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "pipeline.cli"]
-
-
-def _profile(tmp_path: Path, a: netns.Host, b: netns.Host, keys: Path) -> Path:
-    profile = tmp_path / "netns.toml"
-    profile.write_text(
-        f"""extends = "{REPO / "profiles/local-cpu.toml"}"
-
-[run]
-name = "netns"
-runs_dir = "{tmp_path / "runs"}"
-transport = "tcp"
-host = "{a.ip}"
-controller_port = {free_tcp_port()}
-keys_dir = "{keys}"
-
-[pools.a]
-host = "{a.ip}"
-kind = "cpu"
-
-[pools.b]
-host = "{b.ip}"
-kind = "cpu"
-
-[services.controller]
-pool = "a"
-[services.learner]
-pool = "a"
-[services.rollout]
-pool = "b"
-replicas = 1
-[services.reward]
-pool = "b"
-replicas = 1
-
-[task]
-warm_start_steps = 20
-
-[controller]
-steps = {STEPS}
-prompts_per_step = 8
-max_inflight_prompts = 16
-
-[learner.trainer]
-total_steps = {STEPS}
-"""
-    )
-    return profile
 
 
 def _json_lines(path: Path, event: str) -> list[dict]:
@@ -102,8 +49,15 @@ def _json_lines(path: Path, event: str) -> list[dict]:
 def test_a_run_across_two_network_namespaces_with_curve(hosts, tmp_path):
     a, b = hosts
     keys = tmp_path / "keys"
-    subprocess.run([*_pipeline(), "keys", str(keys)], check=True, capture_output=True)
-    profile = _profile(tmp_path, a, b, keys)
+    subprocess.run([*pipeline_command(), "keys", str(keys)], check=True, capture_output=True)
+    profile = two_pool_profile(
+        tmp_path / "netns.toml",
+        name="netns",
+        hosts=(a.ip, b.ip),
+        keys=keys,
+        steps=STEPS,
+        run_extra=f'transport = "tcp"\nhost = "{a.ip}"\n',
+    )
     run_dir = tmp_path / "runs" / "netns"
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -114,7 +68,7 @@ def test_a_run_across_two_network_namespaces_with_curve(hosts, tmp_path):
 
     def start(host: netns.Host, role: str, replica: int = 0, *extra: str, name: str = "") -> None:
         name = name or f"{role}-{replica}"
-        cmd = [*host.exec_prefix(), *_pipeline(), "service", role, "--profile", str(profile)]
+        cmd = [*host.exec_prefix(), *pipeline_command(), "service", role, "--profile", str(profile)]
         cmd += ["--pool", pool_of[host], "--replica", str(replica), *extra]
         out = (logs / f"{name}.log").open("wb")
         outs.append(out)
@@ -135,7 +89,9 @@ def test_a_run_across_two_network_namespaces_with_curve(hosts, tmp_path):
         intruder = tmp_path / "intruder"
         shutil.copytree(keys, intruder)
         stranger = tmp_path / "stranger"
-        subprocess.run([*_pipeline(), "keys", str(stranger)], check=True, capture_output=True)
+        subprocess.run(
+            [*pipeline_command(), "keys", str(stranger)], check=True, capture_output=True
+        )
         for suffix in ("key", "key_secret"):
             shutil.copy(stranger / f"client.{suffix}", intruder / f"client.{suffix}")
         refused = {

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.transport.channel import free_tcp_port
+from tests.e2e.two_pools import pipeline_command, two_pool_profile
 from tests.slurm_cluster import SlurmCluster, slurm_cluster, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,57 +40,6 @@ def slurm():
         except RuntimeError as exc:
             pytest.skip(f"slurm did not start here: {str(exc)[-1500:]}")
         yield cluster
-
-
-def _pipeline() -> list[str]:
-    script = Path(sys.executable).with_name("pipeline")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "pipeline.cli"]
-
-
-def _profile(tmp_path: Path, keys: Path) -> Path:
-    profile = tmp_path / "slurm.toml"
-    profile.write_text(
-        f"""extends = "{REPO / "profiles/local-cpu.toml"}"
-
-[run]
-name = "slurm"
-runs_dir = "{tmp_path / "runs"}"
-controller_port = {free_tcp_port()}
-keys_dir = "{keys}"
-
-[pools.a]
-host = "127.0.0.1"
-kind = "cpu"
-
-[pools.b]
-host = "127.0.0.1"
-kind = "cpu"
-
-[services.controller]
-pool = "a"
-[services.learner]
-pool = "a"
-[services.rollout]
-pool = "b"
-replicas = 1
-[services.reward]
-pool = "b"
-replicas = 1
-
-[task]
-warm_start_steps = 20
-
-[controller]
-steps = {STEPS}
-prompts_per_step = 8
-max_inflight_prompts = 16
-step_timeout_s = 120
-
-[learner.trainer]
-total_steps = {STEPS}
-"""
-    )
-    return profile
 
 
 def _steps(run_dir: Path) -> int:
@@ -122,12 +71,19 @@ def _tail(path: Path, limit: int = 4000) -> str:
 @pytest.mark.slow
 def test_the_rendered_hetjob_runs_on_slurm_and_a_killed_step_is_restarted(slurm, tmp_path):
     keys = tmp_path / "keys"
-    subprocess.run([*_pipeline(), "keys", str(keys)], check=True, capture_output=True)
-    profile = _profile(tmp_path, keys)
+    subprocess.run([*pipeline_command(), "keys", str(keys)], check=True, capture_output=True)
+    profile = two_pool_profile(
+        tmp_path / "slurm.toml",
+        name="slurm",
+        hosts=("127.0.0.1", "127.0.0.1"),
+        keys=keys,
+        steps=STEPS,
+        controller_extra="step_timeout_s = 120\n",
+    )
     deploy = tmp_path / "deploy"
     subprocess.run(
         [
-            *(*_pipeline(), "deploy", "render", "--profile", str(profile)),
+            *(*pipeline_command(), "deploy", "render", "--profile", str(profile)),
             *("--target", "slurm", "--out", str(deploy)),
         ],
         cwd=REPO,

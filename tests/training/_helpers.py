@@ -126,3 +126,14 @@ def assert_trained_alike(
     assert diff.mean() < 0.05 * moved.mean(), (diff.mean(), moved.mean())
     assert (diff > tenth).float().mean() < 0.02, (diff > tenth).float().mean()
     assert diff.max() <= 2 * lr * updates * 1.01, diff.max()
+
+
+def assert_transformers_runs_it(directory: Path, model: torch.nn.Module) -> None:
+    """transformers loads the exported `directory` and gives `model`'s logits."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    batch = make_batch(seed=1)
+    ids = torch.cat([batch.prompt_ids[0], batch.response_ids[0]])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-5, rtol=1e-5)

@@ -11,14 +11,13 @@ from pipeline.algorithms import AlgorithmConfig
 from pipeline.models import ModelConfig, load_model
 from pipeline.training import PolicyTrainer, TrainerConfig
 
-from ._helpers import TINY, TINY_LLAMA, make_batch, save_tiny_model
+from ._helpers import TINY, TINY_LLAMA, assert_transformers_runs_it, make_batch, save_tiny_model
 
 
 @pytest.mark.parametrize("config", [TINY, TINY_LLAMA], ids=["qwen2_tied", "llama_untied"])
 def test_exported_trained_policy_loads_in_transformers_with_equal_logits(
     tmp_path: Path, config: ModelConfig
 ):
-    import transformers
 
     trainer = PolicyTrainer(
         save_tiny_model(tmp_path / "model", config),
@@ -28,11 +27,7 @@ def test_exported_trained_policy_loads_in_transformers_with_equal_logits(
     trainer.train_step(make_batch(seed=0))  # export trained, not initial, weights
     trainer.export_hf(tmp_path / "export")
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
-    batch = make_batch(seed=1)
-    ids = torch.cat([batch.prompt_ids[0], batch.response_ids[0]])[None]
-    with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, trainer.model(ids), atol=1e-5, rtol=1e-5)
+    assert_transformers_runs_it(tmp_path / "export", trainer.model)
     reloaded = load_model(tmp_path / "export")
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, trainer.model.state_dict()[name]), name

@@ -21,7 +21,7 @@ from pipeline.training.reference import ReferencePolicy
 from pipeline.weights import PublishConfig, SyncTimeouts, WeightHub, WeightPublisher, WeightReceiver
 from pipeline.weights.validate import ParamSpec
 
-from ._helpers import free_port, make_batch, save_tiny_model
+from ._helpers import assert_transformers_runs_it, free_port, make_batch, save_tiny_model
 
 LORA = LoraSection(rank=4, alpha=8.0)
 CONFIG = TrainerConfig(device="cpu", lr=1e-2, max_tokens_per_micro_batch=40, lora=LORA)
@@ -112,7 +112,6 @@ def test_engine_weights_after_a_sync_equal_base_plus_merged_adapters(tmp_path: P
 
 
 def test_export_writes_the_merged_model_and_a_peft_adapter(tmp_path: Path):
-    import transformers
 
     base = load_model(save_tiny_model(tmp_path / "base"))
     trainer = _trained(tmp_path)
@@ -121,11 +120,7 @@ def test_export_writes_the_merged_model_and_a_peft_adapter(tmp_path: Path):
     exported = load_model(tmp_path / "final")
     for name, value in exported.named_parameters():
         torch.testing.assert_close(value.double(), want[name], rtol=1e-6, atol=1e-6)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32)
-    batch = make_batch(seed=1)
-    ids = torch.cat([batch.prompt_ids[0], batch.response_ids[0]])[None]
-    with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, trainer.model(ids), atol=1e-5, rtol=1e-5)
+    assert_transformers_runs_it(tmp_path / "final", trainer.model)
 
     adapter = adapter_dir(tmp_path / "final")
     config = json.loads((adapter / ADAPTER_CONFIG).read_text())

@@ -257,16 +257,20 @@ def measure(run_dir: Path, skip: int) -> dict[str, float]:
     }
 
 
-def shape_model(shape: str, directory: Path, device: str) -> list[str]:
-    """Save a random model of `shape` with the char tokenizer; the overrides that use it."""
+def shape_model(shape: str, directory: Path, device: str, *, char_vocab: bool = False) -> list[str]:
+    """Save a random model of `shape` with the char tokenizer; the overrides that use it.
+    `char_vocab`: the model's vocabulary is the tokenizer's, not the shape's, so that it
+    samples every character about equally often (the shape's 152k ids would almost never
+    give one of the ~90 characters)."""
     import torch
 
     from bench.rollout_decode import save_random_model
-    from pipeline.data.tokenizer import save_char_tokenizer
+    from pipeline.data.tokenizer import load_tokenizer, save_char_tokenizer
 
     on = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
-    save_random_model(shape, directory, dtype=torch.bfloat16, device=on)
     save_char_tokenizer(directory)
+    vocab = len(load_tokenizer(directory)) if char_vocab else None
+    save_random_model(shape, directory, dtype=torch.bfloat16, device=on, vocab_size=vocab)
     return ["--model.path", str(directory), "--task.warm_start_steps", "0"]
 
 
@@ -450,7 +454,11 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[int, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         if args.shape:
-            extra = [*extra, *shape_model(args.shape, Path(tmp) / "model", args.device)]
+            # agentic: random turns must end at the tool call's character now and then
+            made = shape_model(
+                args.shape, Path(tmp) / "model", args.device, char_vocab=args.workload == "agentic"
+            )
+            extra = [*extra, *made]
         if args.workload == "agentic":
             from bench.e2e_workload import agentic_model, agentic_overrides
 

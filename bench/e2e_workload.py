@@ -12,7 +12,8 @@ tool calls wait, as a remote tool's would, a time drawn per call from a lognorma
 the profile's sizes with the tiny model
 warm-started to call the tool on most first turns (`agentic_model`), so episodes are a call, the tool's answer and the final answer; on a GPU
 (`gpu=True`) the one-GPU sizes, up to 256 tokens and 4 turns an episode, with the random
-model of the preset's shape, whose turns end at the call `?` or end-of-sequence."""
+model of the preset's shape and the characters' vocabulary, whose turns end at the call `?`
+or end-of-sequence (about 2 turns an episode)."""
 
 from __future__ import annotations
 

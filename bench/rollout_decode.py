@@ -86,12 +86,22 @@ def bench_dtype(device: torch.device) -> torch.dtype:
 
 
 def save_random_model(
-    shape: str, root: Path, *, dtype: torch.dtype, device: torch.device, seed: int = 0
+    shape: str,
+    root: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    vocab_size: int | None = None,
 ) -> ModelConfig:
-    """A randomly initialised CausalLM of `shape`, saved as an HF checkpoint in `root`.
+    """A randomly initialised CausalLM of `shape` (with `vocab_size` in place of the shape's
+    own where given), saved as an HF checkpoint in `root`.
 
     Built on `device` (a 7B init on the CPU takes minutes) and written in `dtype`."""
-    config = SHAPES[shape].replace(torch_dtype=str(dtype).removeprefix("torch."))
+    config = SHAPES[shape].replace(
+        torch_dtype=str(dtype).removeprefix("torch."),
+        vocab_size=vocab_size or SHAPES[shape].vocab_size,
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = CausalLM(config)

@@ -36,3 +36,33 @@ def test_e2e_agentic_workload_cpu(tmp_path: Path) -> None:
     assert (options["tool_delay_s"], options["tool_delay_sigma"]) == (0.05, 0.8)
     assert run["environment"]["name"] == "toy_lookup" and run["task"]["dataset"] == "toy_lookup"
     assert run["algorithm"]["advantage_estimator"] == "grpo" and not run["critic"]["enabled"]
+
+
+@pytest.mark.parametrize("char_vocab", [True, False])
+def test_the_random_agentic_model_ends_turns_at_the_tool_call(
+    tmp_path: Path, char_vocab: bool
+) -> None:
+    """The GPU preset's random model must call the tool now and then, or its episodes are
+    single 256-token turns: with the shape's own vocabulary it almost never samples `?`."""
+    import torch
+    from bench.e2e import shape_model
+
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.envs.toy_lookup import CALL
+    from pipeline.models import load_model
+
+    shape_model("tiny", tmp_path, "cpu", char_vocab=char_vocab)
+    tokenizer = load_tokenizer(tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    assert (model.config.vocab_size == len(tokenizer)) is char_vocab
+    call = tokenizer.convert_tokens_to_ids(CALL)
+    torch.manual_seed(0)
+    ids = torch.tensor([tokenizer.encode("reverse 123 =")] * 32)
+    called = torch.zeros(32, dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(64):
+            probs = model(ids)[:, -1].float().softmax(-1)
+            token = torch.multinomial(probs, 1)
+            called |= token[:, 0] == call
+            ids = torch.cat([ids, token], 1)
+    assert (called.float().mean().item() > 0.25) is char_vocab, called.float().mean()

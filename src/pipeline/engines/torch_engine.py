@@ -385,11 +385,12 @@ class TorchEngine(ModuleWeightsEngine, Engine):
         while self._waiting:
             nxt = self._waiting[0]
             kept = self.sessions.peek(nxt.session)
-            if kept is None and not self._free and not self._evict():
-                break
             offset = 0 if kept is None else kept.reusable(nxt.prompt_ids)
             width = max(longest, len(nxt.prompt_ids) - offset)
             if admitted and (len(admitted) + 1) * width > budget:
+                break
+            # a kept session is evicted only for a sample admitted now
+            if kept is None and not self._free and not self._evict():
                 break
             self._waiting.popleft()
             if nxt.session is not None:

@@ -80,10 +80,9 @@ class EnvPool:
             raise EnvironmentNotFound(hello.load_error)
         self.stop = tuple(hello.stop)
         self.concurrent = hello.concurrent
-        # a call holds its worker's slot until answered; a plain environment's calls queue
-        # here, not in the worker, so each one's deadline starts when the worker takes it
-        width = 1 << 30 if self.concurrent else 1
-        self._slots = [asyncio.Semaphore(width) for _ in self._workers]
+        # a plain environment's call holds its worker until answered: the calls queue here,
+        # not in the worker, so each one's deadline starts when the worker takes it
+        self._turns = [asyncio.Lock() for _ in self._workers]
         self._locks = [asyncio.Lock() for _ in self._workers]  # a send, or a restart
         self._pending: list[dict[int, asyncio.Future[Any]]] = [{} for _ in self._workers]
         self._readers: list[threading.Thread | None] = [None] * len(self._workers)
@@ -131,7 +130,7 @@ class EnvPool:
         if home is None:
             raise EnvFailure("lost", f"episode {uid} has no environment (never opened)")
         index, generation = home
-        async with self._slots[index]:
+        async with contextlib.nullcontext() if self.concurrent else self._turns[index]:
             reply = await self._ask(uid, index, generation, request)
         if reply.error is not None:
             self.counters.errors += 1

@@ -15,13 +15,16 @@ import time
 from collections.abc import Awaitable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline.log import get_logger
 from pipeline.wire.messages import Prompt, TensorRef
 from pipeline.wire.samples import SampleArrays
+
+if TYPE_CHECKING:
+    from pipeline.engines import GenerationRequest
 
 # a pause ends with the next weight update; this bounds it for a learner that hangs
 # mid-step (a restarted one publishes on the engine's registration, which ends it sooner)
@@ -52,8 +55,10 @@ class EngineRunner:
         self.burst_max_s = burst_max_s
         self.tokenizer = tokenizer
         self.loop = loop
-        # requests with their callers' futures, and sessions to release (no future)
-        self._submit: queue.SimpleQueue[tuple[Any, _Pending | None]] = queue.SimpleQueue()
+        # requests with their callers' futures, and the sessions to release
+        self._submit: queue.SimpleQueue[tuple[GenerationRequest, _Pending] | str] = (
+            queue.SimpleQueue()
+        )
         self._pending: dict[str, _Pending] = {}
         self._wake = threading.Event()
         self._closed = False
@@ -120,7 +125,7 @@ class EngineRunner:
 
     def release(self, session: str) -> None:
         """End an episode's session: the engine frees the KV cache it kept."""
-        self._submit.put((session, None))
+        self._submit.put(session)
         self._wake.set()
 
     def _submit_prompt(
@@ -232,12 +237,13 @@ class EngineRunner:
 
     def _take_submitted(self) -> None:
         while not self._submit.empty():
-            item, pending = self._submit.get()
-            if pending is None:
+            item = self._submit.get()
+            if isinstance(item, str):
                 self.engine.release(item)
                 continue
-            self._pending[item.request_id] = pending
-            self.engine.add_request(item)
+            request, pending = item
+            self._pending[request.request_id] = pending
+            self.engine.add_request(request)
 
     def _loop(self) -> None:
         try:

@@ -98,27 +98,36 @@ def drive(
 ):
     """The group's episodes, and the engine's model (for an independent forward)."""
     model = bigram_model(tokenizer)
-    engine = TorchEngine(model, TorchEngineConfig(max_batch=8, max_seq_len=64, seed=0))
-    if engine_out is not None:
-        engine_out.append(engine)
-    pool = EnvPool(spec, options=options, workers=2, step_timeout_s=step_timeout_s)
     config = EnvironmentConfig(
         name=spec, max_turns=max_turns, step_timeout_s=step_timeout_s, keep_kv=keep_kv
     )
 
+    async def group(driver):
+        return await driver.run_group(prompt, ids)
+
+    (samples, stats), counters, engine = with_driver(tokenizer, model, spec, options, config, group)
+    if engine_out is not None:
+        engine_out.append(engine)
+    return samples, stats, model, counters
+
+
+def with_driver(tokenizer, model, spec: str, options, config, body):
+    """`await body(driver)` with an engine of `model`, a pool of `spec` and their runner, all
+    closed after: its result, the pool's counters and the engine."""
+    engine = TorchEngine(model, TorchEngineConfig(max_batch=8, max_seq_len=64, seed=0))
+    pool = EnvPool(spec, options=options, workers=2, step_timeout_s=config.step_timeout_s)
+
     async def main():
         runner = EngineRunner(engine, tokenizer, asyncio.get_running_loop())
         try:
-            driver = EpisodeDriver(runner, tokenizer, pool, config)
-            return await driver.run_group(prompt, ids)
+            return await body(EpisodeDriver(runner, tokenizer, pool, config))
         finally:
             await runner.close()
 
     try:
-        samples, stats = asyncio.run(main())
+        return asyncio.run(main()), pool.counters, engine
     finally:
         pool.close()
-    return samples, stats, model, pool.counters
 
 
 def pieces(tokenizer, sample) -> list[tuple[str, bool]]:
@@ -331,32 +340,24 @@ def test_a_group_whose_episodes_all_wait_on_the_environment_leaves_room(tokenize
     """While every open episode of a group is in an environment call, the group counts as
     waiting (the rollout service takes more prompts meanwhile) and the driver says so."""
     prompt, ids = prompt_of(tokenizer, "xb", max_new_tokens=16, n=2)
-    model = bigram_model(tokenizer)
-    engine = TorchEngine(model, TorchEngineConfig(max_batch=8, max_seq_len=64, seed=0))
     slow = f"{REPO_TESTS / 'envs/faulty_envs.py'}:FlakyLookupEnv"
-    pool = EnvPool(slow, options={"every": 10**9, "slow_s": 0.3}, workers=2)
     config = EnvironmentConfig(name=slow, max_turns=3)
     seen: list[int] = []
 
-    async def main():
-        runner = EngineRunner(engine, tokenizer, asyncio.get_running_loop())
-        driver = EpisodeDriver(runner, tokenizer, pool, config)
+    async def watch(driver):
         driver.on_wait = lambda: seen.append(driver.waiting_groups())
-        try:
-            group = asyncio.create_task(driver.run_group(prompt, ids))
-            waiting = []
-            while not group.done():
-                waiting.append(driver.waiting_groups())
-                await asyncio.sleep(0.01)
-            await group
-            return waiting, driver.waiting_groups()
-        finally:
-            await runner.close()
+        group = asyncio.create_task(driver.run_group(prompt, ids))
+        waiting = []
+        while not group.done():
+            waiting.append(driver.waiting_groups())
+            await asyncio.sleep(0.01)
+        await group
+        return waiting, driver.waiting_groups()
 
-    try:
-        waiting, after = asyncio.run(main())
-    finally:
-        pool.close()
+    options = {"every": 10**9, "slow_s": 0.3}
+    (waiting, after), _, _ = with_driver(
+        tokenizer, bigram_model(tokenizer), slow, options, config, watch
+    )
     # both episodes call the tool (0.3 s each call): the group waits, generates its answer
     # turns (in the engine: not waiting), waits on the answer's step, ends
     assert seen and set(seen) == {1}

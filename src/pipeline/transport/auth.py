@@ -23,6 +23,7 @@ from zmq.auth import load_certificates
 from zmq.utils import z85
 
 from pipeline.log import get_logger
+from pipeline.transport.aiosock import AsyncSocket
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 PLAIN_USER = "pipeline"
@@ -33,6 +34,8 @@ _FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "wrong_mechanism",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
 }
+# what no retry mends: libzmq ends such a connection for good
+_REFUSALS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _counter = itertools.count()
 
 
@@ -123,3 +126,27 @@ class Gate(threading.Thread):
             self.log.warning(
                 "peer_refused", endpoint=endpoint, reason=reason, count=seen, time=time.time()
             )
+
+
+class RefusalWatch:
+    """The connecting side's view of `Gate`: the first handshake of `sock` that its server
+    refused. libzmq does not retry such a connection, so the socket is left without a peer
+    and a send on it waits for ever; this says why instead. Made before `sock` connects."""
+
+    def __init__(self, ctx: Any, sock: Any) -> None:
+        address = f"inproc://pipeline-refusals-{next(_counter)}"
+        sock.monitor(address, _REFUSALS)
+        self._sock = sock
+        self._events = AsyncSocket(zmq.Socket(ctx, zmq.PAIR))
+        self._events.setsockopt(zmq.LINGER, 0)
+        self._events.connect(address)
+
+    async def refused(self) -> str:
+        """Once the server refused the handshake: why, as the server's `Gate` counts it."""
+        frames = await self._events.recv_multipart()
+        return _FAILURES[int.from_bytes(frames[0][:2], "little")]
+
+    def close(self) -> None:
+        if not self._events.closed:
+            self._sock.disable_monitor()
+            self._events.close(linger=0)

@@ -20,8 +20,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pipeline.errors import HandshakeTimeout, SchemaMismatch
+from pipeline.errors import HandshakeRefused, HandshakeTimeout, SchemaMismatch
 from pipeline.log import get_logger
+from pipeline.transport.auth import RefusalWatch
 from pipeline.transport.channel import (
     ChannelConfig,
     ChannelStats,
@@ -224,6 +225,7 @@ class ControlClient:
         self.identity = new_identity(f"{service}-{replica}")
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._sock = make_async_socket(self._ctx, zmq.DEALER, identity=self.identity)
+        self._refusals = RefusalWatch(self._ctx, self._sock)
         connect(self._sock, endpoint)
         self.run_id = ""
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()
@@ -252,20 +254,33 @@ class ControlClient:
 
     async def handshake(self, hello: Hello, timeout_s: float) -> ConfigMsg:
         """hello -> config -> ready, within `timeout_s`; then heartbeats start."""
+        answer = asyncio.ensure_future(self._handshake(hello))
+        refusal = asyncio.ensure_future(self._refusals.refused())
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._handshake(hello)
+                await asyncio.wait((answer, refusal), return_when=asyncio.FIRST_COMPLETED)
         except TimeoutError:
             raise HandshakeTimeout(
                 f"controller at {self.endpoint} did not answer hello within {timeout_s}s; "
-                "is the controller running and is --controller the right address "
-                "(and, across hosts, does this host have the run's keys)?"
+                "is the controller running, is --controller the right address, and across "
+                "hosts, does this host have the run's keys (run.keys_dir)?"
             ) from None
+        finally:
+            await cancel_and_wait([t for t in (answer, refusal) if not t.done()])
+            self._refusals.close()
+        if not answer.cancelled():  # answered (or failed) first
+            return answer.result()
+        raise HandshakeRefused(
+            f"controller at {self.endpoint} refused this service's connection "
+            f"({refusal.result()}): across hosts, set run.keys_dir to a copy of the run's "
+            "keys (`pipeline keys`, with authorized/); on the controller's host, start it "
+            "with the run's profile so it reads the run's secret"
+        )
 
     async def _handshake(self, hello: Hello) -> ConfigMsg:
         self._hello = hello
-        # a controller that refused this client's connection (no keys for its CURVE) leaves
-        # the socket without a peer: then this send waits, and the time limit ends it
+        # a controller that refused this connection leaves the socket without a peer, and
+        # this send waits: the refusal or the time limit ends it
         await self.send(hello)
         while True:
             frames = await self._sock.recv_multipart(copy=False)
@@ -292,6 +307,7 @@ class ControlClient:
             return
         self._closed = True
         await cancel_and_wait(self._tasks)
+        self._refusals.close()
         self._sock.close(linger=0)
 
     async def _recv_loop(self) -> None:

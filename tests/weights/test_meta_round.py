@@ -4,6 +4,7 @@ sync's metadata round: not "no answer within 30 s" after waiting (issue 33, defe
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import zmq
@@ -31,4 +32,31 @@ def test_an_engine_that_left_is_named_not_connected_without_waiting():
     assert failure.phase == "meta" and failure.peer == "engine-0"
     assert "not connected" in failure.detail and "no answer" not in failure.detail
     assert hub.names() == []
+    ctx.term()
+
+
+def test_an_engine_whose_connection_the_hub_refused_is_not_stuck_in_a_send():
+    """A hub that demands CURVE drops an engine without keys at the greeting, and libzmq
+    does not retry: the engine's socket has no peer left. Its hello (and its goodbye at
+    close) must not wait for one for ever: the send says 0, not connected."""
+    ctx = zmq.Context()
+    public, secret = zmq.curve_keypair()
+    hub = ctx.socket(zmq.ROUTER)
+    hub.linger = 0
+    hub.curve_server, hub.curve_secretkey, hub.curve_publickey = True, secret, public
+    port = hub.bind_to_random_port("tcp://127.0.0.1")
+    engine = Link(ctx, zmq.DEALER, sender="engine-0", identity="engine-0")
+    engine.sock.connect(f"tcp://127.0.0.1:{port}")
+    deadline = time.monotonic() + 10
+    while engine.sock.poll(0, zmq.POLLOUT):  # the greeting not refused yet
+        assert time.monotonic() < deadline, "the hub never refused the engine"
+        time.sleep(0.02)
+    sent: list[int] = []
+    hello = Hello(service="engine-0", replica=0, pid=os.getpid())
+    sender = threading.Thread(target=lambda: sent.append(engine.send(hello)), daemon=True)
+    sender.start()
+    sender.join(5)
+    assert sent == [0], "the engine's send waited for a peer"
+    engine.close()
+    hub.close()
     ctx.term()

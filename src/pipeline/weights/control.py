@@ -70,11 +70,13 @@ class Link:
         self.seq += 1
         frames = codec.encode(body, run_id=self.run_id, sender=self.sender, seq=self.seq)
         try:
+            # never waits: SNDHWM is unbounded, so EAGAIN means a DEALER without a peer (its
+            # connection refused, which libzmq does not retry)
             if self.kind == zmq.ROUTER:
-                self.sock.send_multipart([identity, *frames], copy=False)
+                self.sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             else:
-                self.sock.send_multipart(frames, copy=False)
-        except zmq.ZMQError:  # EHOSTUNREACH: that identity is not connected (any more)
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # EHOSTUNREACH, EAGAIN: that peer is not connected (any more)
             return 0
         return self.seq
 

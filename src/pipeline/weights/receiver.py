@@ -133,6 +133,7 @@ class WeightReceiver:
         self._ipc_slots: list[torch.Tensor] = []
         self._requeued: deque[Received] = deque()
         self._accepted: tuple[WeightMeta, Layout] | None = None  # the last validated meta
+        self._refused = False  # the hub refused our connection (logged once)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -147,7 +148,14 @@ class WeightReceiver:
             tp_rank=self.staging.tp_rank,
             tp_size=self.tp_size,
         )
-        self.link.send(hello)
+        if not self.link.send(hello) and not self._refused:
+            self._refused = True  # said once; the hello is tried again while idle
+            log.error(
+                "weights_hub_refused",
+                engine=self.name,
+                detail="the learner's weight hub refused this engine's connection: its "
+                "host needs the run's keys (run.keys_dir, with authorized/) too",
+            )
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.serve, name=f"weights-{self.name}", daemon=True)

@@ -1,5 +1,6 @@
 """ZeroMQ authentication of this process's bound sockets: one ZAP handler per context and
-a watch on every bound socket's failed handshakes.
+a watch on every bound socket's failed handshakes; on the connecting side, a watch for the
+server's refusal (`RefusalWatch`).
 
 The handler accepts a PLAIN client whose password is the run's secret (loopback and ipc://
 sockets) and a CURVE client whose public key is authorised (every other address). A peer

@@ -6,8 +6,10 @@ import asyncio
 
 import numpy as np
 import pytest
+import zmq.asyncio
+from structlog.testing import capture_logs
 
-from pipeline.transport import ChannelConfig, QueueClient, QueueServer
+from pipeline.transport import ChannelConfig, QueueClient, QueueServer, security
 from pipeline.wire.codec import TensorPack
 from pipeline.wire.messages import Prompt
 
@@ -111,3 +113,52 @@ async def test_duplicate_uid_is_acked_not_surfaced(ipc_endpoint):
     assert client.stats.duplicates == 1
     await client.close()
     await server.close()
+
+
+async def test_a_producer_that_refused_the_consumer_neither_stalls_it_nor_the_others():
+    """Two producers; the run's secret differs at one of them (as keys that differ between
+    hosts would), so it refuses the consumer's connection, which libzmq does not retry. The
+    consumer's start must not wait on that producer's credit for ever: it says which one
+    refused it, and takes the other one's items."""
+    contexts = [zmq.asyncio.Context(), zmq.asyncio.Context()]  # each its own ZAP handler
+    servers = []
+    for ctx, name, secret in zip(
+        contexts, ("ctl", "ctl-1"), ("the run's", "another run's"), strict=True
+    ):
+        security.configure(None, run_secret=secret)
+        servers.append(
+            QueueServer(
+                "prompts", "tcp://127.0.0.1:0", run_id="r", sender=name, config=FAST, ctx=ctx
+            ).start()
+        )
+    server, refusing = servers
+    security.configure(None, run_secret="the run's")
+    client = QueueClient(
+        "prompts", [refusing.endpoint, server.endpoint], run_id="r", consumer="roll", config=FAST
+    )
+    try:
+        # refused while the service still sets up, before its first credit goes out
+        deadline = asyncio.get_running_loop().time() + 10
+        while await client._producers[0].sock.poll(timeout=0, flags=zmq.POLLOUT):
+            assert asyncio.get_running_loop().time() < deadline, "never refused"
+            await asyncio.sleep(0.02)
+        with capture_logs() as logs:
+            await asyncio.wait_for(client.start(), 5)
+            for i in range(6):
+                await server.send(*prompt(i))
+            taken = [await client.get(timeout=5) for _ in range(6)]
+            for delivery in taken:
+                delivery.ack()
+            await asyncio.sleep(0.3)  # heartbeats and acks go out; none to the refusing one
+        assert sorted(d.uid for d in taken) == [f"p{i}" for i in range(6)]
+        refused = [r for r in logs if r["event"] == "producer_refused"]
+        assert len(refused) == 1 and refused[0]["endpoint"] == refusing.endpoint
+        assert refused[0]["reason"] == "bad_credentials"
+        assert not [r for r in logs if r["event"] == "receive_failed"]
+    finally:
+        security.configure(None)
+        await client.close()
+        for ctx, queue_server in zip(contexts, servers, strict=True):
+            await queue_server.close()
+            security.release(ctx)
+            ctx.term()

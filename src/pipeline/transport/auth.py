@@ -148,6 +148,8 @@ class RefusalWatch:
         return _FAILURES[int.from_bytes(frames[0][:2], "little")]
 
     def close(self) -> None:
-        if not self._events.closed:
+        if self._events.closed:
+            return
+        if not self._sock.closed:
             self._sock.disable_monitor()
-            self._events.close(linger=0)
+        self._events.close(linger=0)

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from pipeline.errors import SchemaMismatch, TransportClosed
 from pipeline.log import get_logger
+from pipeline.transport.auth import RefusalWatch
 from pipeline.transport.channel import (
     ChannelConfig,
     ChannelStats,
@@ -39,6 +40,8 @@ from pipeline.wire.messages import QUEUE_TYPES, Ack, Credit, Heartbeat, MsgType
 class _Producer:
     endpoint: str
     sock: Any
+    refusals: RefusalWatch
+    refused: str = ""  # why the producer refused our connection (then nothing goes to it)
     incarnation: str = ""
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
@@ -102,8 +105,9 @@ class QueueClient:
 
     def _add(self, endpoint: str) -> _Producer:
         sock = make_async_socket(self._ctx, zmq.DEALER, identity=self.identity)
+        refusals = RefusalWatch(self._ctx, sock)
         connect(sock, endpoint)
-        producer = _Producer(endpoint=endpoint, sock=sock)
+        producer = _Producer(endpoint=endpoint, sock=sock, refusals=refusals)
         self._producers.append(producer)
         return producer
 
@@ -114,6 +118,7 @@ class QueueClient:
             return self
         self._started = True
         for producer in self._producers:
+            self._tasks.append(asyncio.create_task(self._watch(producer)))
             await self._grant(producer, self.config.prefetch)
             self._tasks.append(asyncio.create_task(self._recv_loop(producer)))
         self._tasks.append(asyncio.create_task(self._liveness_loop()))
@@ -126,6 +131,7 @@ class QueueClient:
         producer = self._add(endpoint)
         if not self._started:
             return  # `start` grants its credit with the others'
+        self._tasks.append(asyncio.create_task(self._watch(producer)))
         await self._grant(producer, self.config.prefetch)
         self._tasks.append(asyncio.create_task(self._recv_loop(producer)))
 
@@ -152,16 +158,36 @@ class QueueClient:
         self._closed = True
         await cancel_and_wait(self._tasks)
         for producer in self._producers:
+            producer.refusals.close()
             producer.sock.close(linger=0)
 
     # ------------------------------------------------------------------ internals
 
     async def _send(self, producer: _Producer, body: Any) -> None:
-        if self._closed:
+        if self._closed or producer.refused:
             return
         self._seq += 1
         frames = codec.encode(body, run_id=self.run_id, sender=self.identity, seq=self._seq)
-        await producer.sock.send_multipart(frames)
+        try:
+            await producer.sock.send_multipart(frames)
+        except zmq.ZMQError:
+            if not producer.refused:  # a send the refusal woke (its socket closed)
+                raise
+
+    async def _watch(self, producer: _Producer) -> None:
+        """A producer that refused our connection gets nothing more: libzmq does not retry
+        it, so a send to it would wait for a peer for ever."""
+        producer.refused = await producer.refusals.refused()
+        producer.alive = False
+        self.log.error(
+            "producer_refused",
+            endpoint=producer.endpoint,
+            reason=producer.refused,
+            fix="this host needs the run's keys (run.keys_dir, with authorized/) as the "
+            "producer's host has them",
+        )
+        producer.refusals.close()
+        producer.sock.close(linger=0)  # wakes a send waiting on it
 
     async def _grant(self, producer: _Producer, credits: int) -> None:
         producer.outstanding += credits
@@ -199,12 +225,14 @@ class QueueClient:
                 await self._send(producer, Ack(queue=self.queue, uids=uids, credits=credits))
 
     async def _recv_loop(self, producer: _Producer) -> None:
-        while True:
+        while not producer.refused:
             try:
                 await self._recv_one(producer)
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let one message end the loop silently
+                if producer.refused:  # its socket closed under the receive
+                    return
                 self.stats.rejected["internal_error"] += 1
                 self.log.exception("receive_failed", endpoint=producer.endpoint)
 

@@ -9,6 +9,14 @@ ARGS ?=
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/pipeline-site
 
+# the pins of pyproject.toml's groups named first (core: its dependencies; else an extra),
+# one a line; with names after them, only those names' (a name without a pin as it is)
+PINS = import re, sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+  deps = [d for g in sys.argv[1].split(',') \
+          for d in (p['dependencies'] if g == 'core' else p['optional-dependencies'][g])]; \
+  pin = {re.split('[<>=!~; ]', d)[0]: d for d in deps}; \
+  print('\n'.join([pin.get(n, n) for n in sys.argv[2:]] if sys.argv[2:] else deps))
+
 .PHONY: venv run-cluster test test-slow test-all lint bench-transport bench-e2e bench-weight-sync bench replay inspect report \
         gpu-wheels test-gpu bench-gpu test-vllm clean
 
@@ -63,11 +71,9 @@ report: $(STAMP)
 # for its CPython 3.12 on x86-64 Linux
 GPU_WHEELS ?= pyzmq msgspec structlog pytest-asyncio
 gpu-wheels:
-	# at the project's own pins (pyproject.toml), so the GPU host runs the versions CI does
+	# at the project's own pins, so the GPU host runs the versions CI does
 	@mkdir -p .whl
-	$(PY) -c "import re, sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-	  pins = {re.split('[<>=!~; ]', d)[0]: d for d in p['dependencies'] + p['optional-dependencies']['test']}; \
-	  print('\n'.join(pins[n] for n in sys.argv[1:]))" $(GPU_WHEELS) > .whl/pins.txt
+	$(PY) -c "$(PINS)" core,test $(GPU_WHEELS) > .whl/pins.txt
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  --platform any -d .whl -r .whl/pins.txt
@@ -96,10 +102,8 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	# the project's own pins (core, test, and bench: tests import the benches), but torch
 	# and triton: vLLM's
-	$(VLLM_VENV)/bin/python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-	  x = p['optional-dependencies']; \
-	  print('\n'.join(d for d in p['dependencies'] + x['test'] + x['bench'] \
-	  if not d.startswith(('torch', 'triton'))))" > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/python -c "$(PINS)" core,test,bench | grep -v -E '^(torch|triton)' \
+	  > $(VLLM_VENV)/requirements.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_VENV)/requirements.txt
 	@touch $@
 

@@ -16,6 +16,7 @@ from pipeline.log import get_logger
 from pipeline.transport import ChannelConfig, ControlClient, ControlServer, security
 from pipeline.transport.control import PeerEvent
 from pipeline.wire.messages import ConfigMsg, Hello, StepDone
+from tests.transport.refusal import curve_refuser, until_refused
 
 FAST = ChannelConfig(heartbeat_s=0.05, peer_timeout_s=0.4)
 
@@ -43,18 +44,10 @@ async def test_a_refused_connection_ends_the_handshake_at_once_with_the_reason()
     hello cannot be sent. Refused before the hello went out, the handshake says so at once
     (it waited on that send without end)."""
     ctx = zmq.Context()
-    public, secret = zmq.curve_keypair()
-    controller = ctx.socket(zmq.ROUTER)
-    controller.linger = 0
-    controller.curve_server, controller.curve_secretkey = True, secret
-    controller.curve_publickey = public
-    port = controller.bind_to_random_port("tcp://127.0.0.1")
-    client = ControlClient(f"tcp://127.0.0.1:{port}", service="reward", replica=1, config=FAST)
+    controller, endpoint = curve_refuser(ctx)
+    client = ControlClient(endpoint, service="reward", replica=1, config=FAST)
     try:
-        deadline = time.monotonic() + 10
-        while await client._sock.poll(timeout=0, flags=zmq.POLLOUT):  # greeting not refused yet
-            assert time.monotonic() < deadline, "the controller never refused the client"
-            await asyncio.sleep(0.02)
+        await until_refused(client._sock)
         start = time.monotonic()
         with pytest.raises(HandshakeRefused, match=r"refused .*\(wrong_mechanism\).*keys_dir"):
             await asyncio.wait_for(client.handshake(hello("reward"), timeout_s=30), 10)

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 from pipeline.transport import ChannelConfig, QueueClient, QueueServer, security
 from pipeline.wire.codec import TensorPack
 from pipeline.wire.messages import Prompt
+from tests.transport.refusal import until_refused
 
 FAST = ChannelConfig(prefetch=4, max_pending=8, heartbeat_s=0.05, peer_timeout_s=0.5)
 
@@ -138,10 +139,7 @@ async def test_a_producer_that_refused_the_consumer_neither_stalls_it_nor_the_ot
     )
     try:
         # refused while the service still sets up, before its first credit goes out
-        deadline = asyncio.get_running_loop().time() + 10
-        while await client._producers[0].sock.poll(timeout=0, flags=zmq.POLLOUT):
-            assert asyncio.get_running_loop().time() < deadline, "never refused"
-            await asyncio.sleep(0.02)
+        await until_refused(client._producers[0].sock)
         with capture_logs() as logs:
             await asyncio.wait_for(client.start(), 5)
             for i in range(6):

@@ -13,6 +13,7 @@ from pipeline.weights import WeightHub
 from pipeline.weights.control import Link
 from pipeline.weights.rounds import meta_round, parse_failure
 from pipeline.wire.messages import Hello, WeightMeta
+from tests.transport.refusal import curve_refuser, until_refused_blocking
 
 
 def test_an_engine_that_left_is_named_not_connected_without_waiting():
@@ -40,17 +41,10 @@ def test_an_engine_whose_connection_the_hub_refused_is_not_stuck_in_a_send():
     does not retry: the engine's socket has no peer left. Its hello (and its goodbye at
     close) must not wait for one for ever: the send says 0, not connected."""
     ctx = zmq.Context()
-    public, secret = zmq.curve_keypair()
-    hub = ctx.socket(zmq.ROUTER)
-    hub.linger = 0
-    hub.curve_server, hub.curve_secretkey, hub.curve_publickey = True, secret, public
-    port = hub.bind_to_random_port("tcp://127.0.0.1")
+    hub, endpoint = curve_refuser(ctx)
     engine = Link(ctx, zmq.DEALER, sender="engine-0", identity="engine-0")
-    engine.sock.connect(f"tcp://127.0.0.1:{port}")
-    deadline = time.monotonic() + 10
-    while engine.sock.poll(0, zmq.POLLOUT):  # the greeting not refused yet
-        assert time.monotonic() < deadline, "the hub never refused the engine"
-        time.sleep(0.02)
+    engine.sock.connect(endpoint)
+    until_refused_blocking(engine.sock)
     sent: list[int] = []
     hello = Hello(service="engine-0", replica=0, pid=os.getpid())
     sender = threading.Thread(target=lambda: sent.append(engine.send(hello)), daemon=True)
